@@ -1,0 +1,40 @@
+"""Shared fixtures: a real redis-server per session (flushed per test), index factories."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.procs import RedisServer
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+VECTORS = SHARED / "vectors" / "vllm-kv-events"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """URL of the session's redis-server, flushed before each test."""
+    if redis_server.proc is None:
+        redis_server.start()
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.flushall()
+    yield redis_server.url
+
+
+@pytest.fixture
+async def redis_index(redis_url: str) -> AsyncIterator[object]:
+    from tracker.redis_index import RedisIndex
+
+    index = RedisIndex.from_url(redis_url)
+    yield index
+    await index.close()

@@ -1,0 +1,112 @@
+"""kvrouter's own chained 64-bit block keys, computed from token ids; pure and fast.
+
+vLLM's event hashes depend on ``PYTHONHASHSEED``, the hash algorithm and the release, so the
+index never relies on them. Instead, for block ``i`` of a token sequence::
+
+    key_0 = XXH3_64(tokens[0:B] as uint32 LE [+ msgpack(extra_0)], seed=namespace_seed)
+    key_i = XXH3_64(tokens[iB:(i+1)B] as uint32 LE [+ msgpack(extra_i)], seed=key_{i-1})
+
+where ``namespace_seed = XXH3_64(msgpack(["kvrouter-blocks", 1, model, lora_name, B]))``.
+The token bytes have a fixed length (``4 * B``), so appending the extra keys is unambiguous.
+The tracker computes the chain from ``BlockStored.token_ids``; the router computes the same
+chain from a request's tokens. Only full blocks get keys, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Final
+
+import msgspec
+import xxhash
+
+SCHEME_VERSION: Final = 1
+_xxh3 = xxhash.xxh3_64_intdigest
+_pack = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """What a block key depends on besides tokens: model, LoRA adapter and block size."""
+
+    model: str
+    block_size: int
+    lora_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+    @property
+    def seed(self) -> int:
+        return namespace_seed(self.model, self.lora_name, self.block_size)
+
+    def base(self) -> Namespace:
+        """The index partition this namespace lives in (LoRA is folded into the keys)."""
+        return Namespace(self.model, self.block_size) if self.lora_name else self
+
+
+@lru_cache(maxsize=1024)
+def namespace_seed(model: str, lora_name: str | None, block_size: int) -> int:
+    """Root seed of every key chain in a namespace."""
+    return _xxh3(_pack(["kvrouter-blocks", SCHEME_VERSION, model, lora_name or "", block_size]))
+
+
+def token_bytes(tokens: Sequence[int] | array[int]) -> bytes:
+    """Token ids as packed little-endian uint32, the form the key function hashes."""
+    packed = tokens if isinstance(tokens, array) and tokens.typecode == "I" else array("I", tokens)
+    if packed.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte "I"
+        raise RuntimeError("array('I') is not 32-bit on this platform")
+    data = packed.tobytes()
+    return data if _LITTLE_ENDIAN else _swap(packed)
+
+
+def _swap(packed: array[int]) -> bytes:  # pragma: no cover - big-endian hosts only
+    copy = array("I", packed)
+    copy.byteswap()
+    return copy.tobytes()
+
+
+_LITTLE_ENDIAN: Final = array("I", [1]).tobytes()[0] == 1
+
+
+def block_keys(
+    tokens: Sequence[int] | array[int] | bytes,
+    namespace: Namespace,
+    *,
+    parent: int | None = None,
+    extra_keys: Sequence[Any] | None = None,
+    limit: int | None = None,
+) -> list[int]:
+    """Keys of every full block of ``tokens``, chained from ``parent`` (or the namespace root).
+
+    Args:
+        tokens: token ids, or their :func:`token_bytes` form (cheaper when already packed).
+        namespace: model / LoRA / block size the keys belong to.
+        parent: key of the block preceding ``tokens[0]``; ``None`` when they start a sequence.
+        extra_keys: one entry per block (``None`` or a tuple of extra hash inputs, e.g. a
+            ``cache_salt`` on the first block), as in vLLM's ``BlockStored.extra_keys``.
+        limit: hash at most this many blocks.
+    """
+    data = tokens if isinstance(tokens, bytes) else token_bytes(tokens)
+    stride = namespace.block_size * 4
+    count = len(data) // stride
+    if limit is not None:
+        count = min(count, limit)
+    key = namespace.seed if parent is None else parent
+    view = memoryview(data)
+    keys = [0] * count
+    if not extra_keys or all(e is None for e in extra_keys):
+        for i in range(count):
+            key = _xxh3(view[i * stride : (i + 1) * stride], key)
+            keys[i] = key
+        return keys
+    for i in range(count):
+        extra = extra_keys[i] if i < len(extra_keys) else None
+        chunk = view[i * stride : (i + 1) * stride]
+        key = _xxh3(chunk if extra is None else bytes(chunk) + _pack(extra), key)
+        keys[i] = key
+    return keys

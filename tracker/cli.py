@@ -1,0 +1,63 @@
+"""The ``kvrouter`` command: subcommands are discovered from the ``kvrouter.commands`` entry points.
+
+Each part (tracker, router, publishers) registers its own commands, so this dispatcher never
+imports the router or the publishers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from tracker import logs
+from tracker.errors import ConfigError
+from tracker.settings import Settings
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its settings class and a ``run(settings) -> exit status`` function."""
+
+    name: str
+    help: str
+    settings: type[Settings]
+    run: Callable[[Any], int]
+
+
+def load_commands() -> dict[str, Command]:
+    commands: dict[str, Command] = {}
+    for ep in entry_points(group="kvrouter.commands"):
+        command = ep.load()
+        if isinstance(command, Command):
+            commands[command.name] = command
+    return dict(sorted(commands.items()))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    commands = load_commands()
+    parser = argparse.ArgumentParser(
+        prog="kvrouter", description="KV-cache-aware routing for vLLM / SGLang fleets."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in commands.values():
+        command.settings.add_arguments(sub.add_parser(command.name, help=command.help))
+    args = parser.parse_args(argv)
+    command = commands[args.command]
+    del args.command
+    try:
+        settings = command.settings.from_args(args, os.environ)
+    except ConfigError as exc:
+        parser.error(f"{command.name}: {exc}")
+    logs.configure(getattr(settings, "log_level", "info"), getattr(settings, "log_format", "text"))
+    try:
+        return command.run(settings)
+    except ConfigError as exc:
+        print(f"kvrouter {command.name}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

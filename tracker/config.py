@@ -1,0 +1,67 @@
+"""Settings of the tracker's commands (``kvrouter tracker``, ``kvrouter lookup``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tracker.replicas import ReplicaSpec
+from tracker.settings import Settings, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogSettings(Settings):
+    """Logging options every command shares."""
+
+    log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = setting("text", "log format", choices=("text", "json"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackerSettings(LogSettings):
+    """``kvrouter tracker``: consume KV events and maintain the block index."""
+
+    PART = "TRACKER"
+
+    redis: str | None = setting(None, "Redis URL of the shared index; omit for embedded")
+    replica: tuple[str, ...] = setting(
+        (),
+        "replica to track, repeatable: ID=tcp://host:5557[,replay=tcp://host:5558]"
+        "[,url=http://host:8000]",
+    )
+    discover: bool = setting(True, "also track replicas found in the Redis registry")
+    model: str = setting("default", "model served by replicas given with --replica")
+    block_size: int = setting(16, "engine block size of replicas given with --replica")
+    bind: str | None = setting(
+        None, "also bind a SUB socket here for publishers that connect in (topic = replica id)"
+    )
+    topic: str = setting("", "ZMQ subscription prefix (vLLM's default topic is empty)")
+    http_host: str = setting("127.0.0.1", "address of the /metrics and /health server")
+    http_port: int = setting(9100, "port of the /metrics and /health server (0: disabled)")
+    replay_timeout_s: float = setting(2.0, "give up on a replay after this long")
+    resync_cooldown_s: float = setting(5.0, "minimum time between resyncs of one replica")
+    reap_interval_s: float = setting(2.0, "how often to expire replicas that stopped heartbeating")
+    shutdown_timeout_s: float = setting(5.0, "graceful shutdown budget")
+
+    def __post_init__(self) -> None:
+        for spec in self.replica:
+            ReplicaSpec.parse(spec)
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+
+    @property
+    def replica_specs(self) -> list[ReplicaSpec]:
+        return [ReplicaSpec.parse(spec) for spec in self.replica]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LookupSettings(LogSettings):
+    """``kvrouter lookup``: where is this token sequence cached?"""
+
+    PART = "LOOKUP"
+
+    redis: str = setting("redis://127.0.0.1:6379/0", "Redis URL of the shared index")
+    model: str = setting("default", "model namespace")
+    block_size: int = setting(16, "block size of the namespace")
+    lora: str | None = setting(None, "LoRA adapter name, if the request used one")
+    tokens: str | None = setting(None, "comma-separated token ids")
+    tokens_file: str | None = setting(None, "file with token ids (comma/space separated, or JSON)")

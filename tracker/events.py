@@ -1,0 +1,365 @@
+"""vLLM / SGLang KV-event wire types and codec for every wire era; pure, no I/O.
+
+The wire contract (see docs/architecture.md and ../shared/docs/vllm-kv-events.md):
+
+* a live message is three ZeroMQ frames ``[topic, seq (8 bytes big-endian), payload]``;
+* the payload is msgpack of ``EventBatch`` = ``[ts, events, data_parallel_rank]`` (no rank
+  before vLLM v0.9.1);
+* each event is a tagged positional array (vLLM v0.9 - v0.23, SGLang) or a map with a
+  ``type`` key whose default-valued optional fields are omitted (vLLM v0.24+).
+
+Decoding is version-agnostic and strict about types; encoding reproduces a chosen era's
+bytes exactly, so the simulated engine is indistinguishable from vLLM on the wire.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from tracker.errors import DecodeError
+
+ExternalHash = int | bytes
+"""A block hash as the engine puts it on the wire: uint64, signed int64, or digest bytes."""
+
+U64_MASK: Final = (1 << 64) - 1
+REPLAY_END_SEQ: Final = U64_MASK
+"""Sequence value of the end-of-replay marker (``0xFF`` x 8)."""
+
+MEDIUM_GPU: Final = "GPU"
+
+
+class BlockStored(msgspec.Struct, frozen=True):
+    """Blocks became full and cached; ``token_ids`` holds their tokens, concatenated."""
+
+    block_hashes: list[ExternalHash]
+    parent_block_hash: ExternalHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, frozen=True):
+    """Cached blocks were evicted (one physical block each; duplicates are possible)."""
+
+    block_hashes: list[ExternalHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True):
+    """The engine reset its whole prefix cache."""
+
+
+class UnknownEvent(msgspec.Struct, frozen=True):
+    """An event whose tag this codec does not know; skipped by the index, counted."""
+
+    tag: str
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent
+
+
+class EventBatch(msgspec.Struct, frozen=True):
+    """One published engine step: its timestamp, events and data-parallel rank."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+class WireEra(enum.Enum):
+    """Wire layouts, named by the first vLLM release that emits each one."""
+
+    V0_9_0 = "v0.9.0"
+    V0_9_1 = "v0.9.1"
+    V0_10_2 = "v0.10.2"
+    V0_14_0 = "v0.14.0"
+    V0_17_0 = "v0.17.0"
+    V0_20_0 = "v0.20.0"
+    V0_22_0 = "v0.22.0"
+    V0_24_0 = "v0.24.0"
+
+    @classmethod
+    def for_release(cls, release: str) -> WireEra:
+        """The era a vLLM release tag (``v0.11.0``, ``0.25.1``) emits."""
+        wanted = _version_tuple(release)
+        chosen = cls.V0_9_0
+        for era in cls:
+            if _version_tuple(era.value) <= wanted:
+                chosen = era
+        return chosen
+
+    @property
+    def map_events(self) -> bool:
+        return self is WireEra.V0_24_0
+
+    @property
+    def has_rank(self) -> bool:
+        return self is not WireEra.V0_9_0
+
+
+def _version_tuple(release: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in release.lstrip("v").split(".")[:3])
+    except ValueError as exc:
+        raise ValueError(f"not a vLLM release tag: {release!r}") from exc
+
+
+# Field names of each struct in declaration order, and the first era carrying each field.
+_STORED_FIELDS: Final = (
+    ("block_hashes", WireEra.V0_9_0),
+    ("parent_block_hash", WireEra.V0_9_0),
+    ("token_ids", WireEra.V0_9_0),
+    ("block_size", WireEra.V0_9_0),
+    ("lora_id", WireEra.V0_9_0),
+    ("medium", WireEra.V0_10_2),
+    ("lora_name", WireEra.V0_14_0),
+    ("extra_keys", WireEra.V0_17_0),
+    ("group_idx", WireEra.V0_20_0),
+    ("kv_cache_spec_kind", WireEra.V0_22_0),
+    ("kv_cache_spec_sliding_window", WireEra.V0_22_0),
+)
+_REMOVED_FIELDS: Final = (
+    ("block_hashes", WireEra.V0_9_0),
+    ("medium", WireEra.V0_10_2),
+    ("group_idx", WireEra.V0_20_0),
+)
+# Fields vLLM declares with a default; map-era encoding omits them when equal to it.
+_OMITTABLE: Final = frozenset(
+    {"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
+)
+_ERA_ORDER: Final = {era: i for i, era in enumerate(WireEra)}
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _fields_for(fields: tuple[tuple[str, WireEra], ...], era: WireEra) -> list[str]:
+    return [name for name, since in fields if _ERA_ORDER[since] <= _ERA_ORDER[era]]
+
+
+def _encode_event(event: Event, era: WireEra) -> Any:
+    if isinstance(event, BlockStored):
+        tag, names = "BlockStored", _fields_for(_STORED_FIELDS, era)
+    elif isinstance(event, BlockRemoved):
+        tag, names = "BlockRemoved", _fields_for(_REMOVED_FIELDS, era)
+    elif isinstance(event, AllBlocksCleared):
+        tag, names = "AllBlocksCleared", []
+    else:
+        raise TypeError(f"cannot encode {type(event).__name__}")
+    if era.map_events:
+        out: dict[str, Any] = {"type": tag}
+        for name in names:
+            value = getattr(event, name)
+            if value is None and name in _OMITTABLE:
+                continue
+            out[name] = value
+        return out
+    return [tag, *(getattr(event, name) for name in names)]
+
+
+def encode_batch(batch: EventBatch, era: WireEra) -> bytes:
+    """Msgpack payload of ``batch`` exactly as vLLM's release ``era`` encodes it."""
+    events = [_encode_event(event, era) for event in batch.events]
+    body: list[Any] = [float(batch.ts), events]
+    if era.has_rank:
+        body.append(batch.data_parallel_rank)
+    return _encoder.encode(body)
+
+
+def encode_message(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """The three ZeroMQ frames of a live message."""
+    return [topic, seq.to_bytes(8, "big"), payload]
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _check_hash(value: Any, what: str) -> ExternalHash:
+    if isinstance(value, bool):
+        raise DecodeError("bad_hash", f"{what}: bool")
+    if isinstance(value, int):
+        if not -(1 << 63) <= value <= U64_MASK:
+            raise DecodeError("bad_hash", f"{what}: {value} out of 64-bit range")
+        return value
+    if isinstance(value, bytes) and value:
+        return value
+    raise DecodeError("bad_hash", f"{what}: {type(value).__name__}")
+
+
+def _check_hashes(value: Any) -> list[ExternalHash]:
+    if not isinstance(value, list) or not value:
+        raise DecodeError("bad_event", "block_hashes must be a non-empty array")
+    return [_check_hash(h, "block_hashes") for h in value]
+
+
+def _opt(value: Any, kind: type, name: str) -> Any:
+    if value is None or (isinstance(value, kind) and not isinstance(value, bool)):
+        return value
+    raise DecodeError("bad_event", f"{name}: expected {kind.__name__} or nil")
+
+
+def _check_tokens(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise DecodeError("bad_event", "token_ids must be an array")
+    try:
+        array("I", value)  # C-speed check: every id is an int in [0, 2**32)
+    except (TypeError, OverflowError) as exc:
+        raise DecodeError("bad_event", f"token_ids: {exc}") from None
+    return value
+
+
+def _stored(fields: dict[str, Any]) -> BlockStored:
+    block_size = fields.get("block_size")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
+        raise DecodeError("bad_event", "block_size must be a non-negative int")
+    parent = fields.get("parent_block_hash")
+    lora_name = fields.get("lora_name")
+    if isinstance(lora_name, dict):
+        # SGLang >= 0.5.18 puts a metadata map where vLLM has lora_name.
+        lora_name = None
+    extra = fields.get("extra_keys")
+    if extra is not None and not isinstance(extra, list):
+        raise DecodeError("bad_event", "extra_keys must be an array or nil")
+    return BlockStored(
+        block_hashes=_check_hashes(fields.get("block_hashes")),
+        parent_block_hash=None if parent is None else _check_hash(parent, "parent"),
+        token_ids=_check_tokens(fields.get("token_ids")),
+        block_size=block_size,
+        lora_id=_opt(fields.get("lora_id"), int, "lora_id"),
+        medium=_opt(fields.get("medium"), str, "medium"),
+        lora_name=_opt(lora_name, str, "lora_name"),
+        extra_keys=extra,
+        group_idx=_opt(fields.get("group_idx"), int, "group_idx"),
+        kv_cache_spec_kind=_opt(fields.get("kv_cache_spec_kind"), str, "kv_cache_spec_kind"),
+        kv_cache_spec_sliding_window=_opt(
+            fields.get("kv_cache_spec_sliding_window"), int, "kv_cache_spec_sliding_window"
+        ),
+    )
+
+
+def _removed(fields: dict[str, Any]) -> BlockRemoved:
+    return BlockRemoved(
+        block_hashes=_check_hashes(fields.get("block_hashes")),
+        medium=_opt(fields.get("medium"), str, "medium"),
+        group_idx=_opt(fields.get("group_idx"), int, "group_idx"),
+    )
+
+
+_STORED_NAMES: Final = [name for name, _ in _STORED_FIELDS]
+_REMOVED_NAMES: Final = [name for name, _ in _REMOVED_FIELDS]
+_REQUIRED: Final = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
+
+
+def _decode_event(raw: Any) -> Event:
+    if isinstance(raw, list):
+        if not raw or not isinstance(raw[0], str):
+            raise DecodeError("bad_event", "array event without a string tag")
+        tag, values = raw[0], raw[1:]
+        names = _STORED_NAMES if tag == "BlockStored" else _REMOVED_NAMES
+        if tag in _REQUIRED and len(values) < _REQUIRED[tag]:
+            raise DecodeError("bad_event", f"{tag} has {len(values)} fields")
+        fields = dict(zip(names, values, strict=False))
+    elif isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str):
+            raise DecodeError("bad_event", "map event without a string 'type'")
+        fields = raw
+        if tag == "BlockStored" and not {"block_hashes", "token_ids", "block_size"} <= raw.keys():
+            raise DecodeError("bad_event", "BlockStored map lacks required keys")
+    else:
+        raise DecodeError("bad_event", f"event is a {type(raw).__name__}")
+    if tag == "BlockStored":
+        return _stored(fields)
+    if tag == "BlockRemoved":
+        return _removed(fields)
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return UnknownEvent(tag=tag)
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one msgpack ``EventBatch`` of any era; raises :class:`DecodeError`."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
+        raise DecodeError("msgpack", str(exc)) from None
+    if isinstance(raw, dict):  # a fully map-encoded batch, seen in one unreleased vLLM revision
+        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise DecodeError("bad_batch", "EventBatch must be an array of at least 2 items")
+    ts, events = raw[0], raw[1]
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise DecodeError("bad_batch", "ts must be a number")
+    if not isinstance(events, list):
+        raise DecodeError("bad_batch", "events must be an array")
+    rank = raw[2] if len(raw) > 2 else None
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise DecodeError("bad_batch", "data_parallel_rank must be an int or nil")
+    return EventBatch(float(ts), [_decode_event(e) for e in events], rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A live or replayed message: topic, sequence number and still-encoded payload."""
+
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+def decode_message(frames: Sequence[bytes]) -> Message:
+    """Split a live ``[topic, seq, payload]`` message; the payload is decoded separately."""
+    if len(frames) != 3:
+        raise DecodeError("bad_frames", f"expected 3 frames, got {len(frames)}")
+    topic, seq, payload = frames
+    if len(seq) != 8:
+        raise DecodeError("bad_frames", f"sequence frame has {len(seq)} bytes")
+    return Message(bytes(topic), int.from_bytes(seq, "big"), bytes(payload))
+
+
+def decode_replay_reply(frames: Sequence[bytes]) -> Message | None:
+    """One message from a replay stream, or ``None`` for the end marker.
+
+    Accepts both layouts vLLM has shipped, ``[seq, payload]`` and ``[topic, seq, payload]``,
+    optionally behind the empty delimiter frame a DEALER socket receives.
+    """
+    parts = list(frames)
+    if len(parts) == 4 and parts[0] == b"":
+        parts = parts[1:]  # DEALER delimiter + new layout
+    # Three frames are either [delimiter, seq, payload] (DEALER, old layout) or
+    # [topic, seq, payload] (REQ, new layout): both put the sequence in the middle.
+    if len(parts) == 2:
+        topic, seq, payload = b"", parts[0], parts[1]
+    elif len(parts) == 3:
+        topic, seq, payload = parts
+    else:
+        raise DecodeError("bad_replay", f"unexpected {len(frames)}-frame replay reply")
+    if len(seq) != 8:
+        raise DecodeError("bad_replay", f"sequence frame has {len(seq)} bytes")
+    number = int.from_bytes(seq, "big")
+    if number == REPLAY_END_SEQ or not payload:
+        return None
+    return Message(bytes(topic), number, bytes(payload))
+
+
+def external_hash_u64(value: ExternalHash) -> int:
+    """Normalize any wire hash to vLLM's unsigned 64-bit event form.
+
+    Ints (signed or unsigned) are masked; digest bytes keep their last 8 bytes big-endian,
+    which is exactly how vLLM derives its int hashes, so int and bytes producers agree.
+    """
+    if isinstance(value, int):
+        return value & U64_MASK
+    return int.from_bytes(value[-8:], "big")

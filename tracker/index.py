@@ -1,0 +1,201 @@
+"""The block index: one interface, an embedded in-process backend, and shared types.
+
+The index answers "which replica holds the longest contiguous prefix of this key chain?"
+and keeps the replica registry. :class:`MemoryIndex` serves a single process;
+:class:`tracker.redis_index.RedisIndex` is shared by any number of routers and trackers.
+Both pass the same contract tests (``tests/tracker/test_index_contract.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from tracker.blocks import Namespace
+from tracker.events import EventBatch
+from tracker.ledger import LedgerChanges, ReplicaLedger, Tier
+
+
+class Match(msgspec.Struct, frozen=True):
+    """A replica's longest contiguous run of held blocks from the start of a chain."""
+
+    replica: str
+    blocks: int
+    gpu_blocks: int
+
+    @property
+    def offload_blocks(self) -> int:
+        return self.blocks - self.gpu_blocks
+
+
+class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A registry entry: how to reach a replica and what it serves.
+
+    ``instance`` changes whenever the engine process restarts, which fences its old blocks.
+    ``last_seen`` (unix seconds) is filled in by the index when the record is read.
+    """
+
+    id: str
+    model: str
+    block_size: int
+    url: str | None = None
+    events: str | None = None
+    replay: str | None = None
+    instance: str = ""
+    ttl_s: float = 15.0
+    last_seen: float = 0.0
+
+    @property
+    def namespace(self) -> Namespace:
+        return Namespace(self.model, self.block_size)
+
+
+class ApplyResult(msgspec.Struct):
+    """What applying one batch did, for metrics and resync decisions."""
+
+    stats: Counter[str]
+    cleared: bool
+    blocks: int
+
+
+class BlockIndex(Protocol):
+    """Storage of block placements and the replica registry."""
+
+    async def apply(
+        self, replica: str, namespace: Namespace, batch: EventBatch, seq: int | None = None
+    ) -> ApplyResult:
+        """Apply one batch of ``replica``'s events; record ``seq`` as its last applied."""
+
+    async def clear(self, replica: str, namespace: Namespace) -> int:
+        """Forget every block of ``replica``; returns how many it held."""
+
+    async def last_seq(self, replica: str, namespace: Namespace) -> int | None:
+        """The last sequence number applied for ``replica``, if any."""
+
+    async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
+        """Per replica, the longest contiguous prefix of ``keys`` it holds (absent if none)."""
+
+    async def block_count(self, replica: str, namespace: Namespace) -> int:
+        """How many distinct blocks ``replica`` holds."""
+
+    async def register(self, record: ReplicaRecord) -> None:
+        """Insert or refresh a registry entry (also a heartbeat)."""
+
+    async def replicas(self) -> list[ReplicaRecord]:
+        """Every registered replica, with ``last_seen`` filled in."""
+
+    async def deregister(self, replica: str) -> None:
+        """Remove a registry entry (its blocks are cleared separately)."""
+
+    async def reap(self) -> list[ReplicaRecord]:
+        """Remove and return entries whose heartbeat is older than their ``ttl_s``."""
+
+    async def close(self) -> None:
+        """Release connections."""
+
+
+def walk(keys: Sequence[int], holders_of: dict[int, dict[str, int]]) -> dict[str, Match]:
+    """Longest contiguous match per replica; stops at the first block no candidate holds."""
+    runs: dict[str, list[int]] = {}
+    for depth, key in enumerate(keys):
+        holders = holders_of.get(key)
+        if not holders:
+            break
+        advanced = False
+        for replica, tiers in holders.items():
+            run = runs.get(replica)
+            if depth == 0:
+                run = runs[replica] = [0, 0]
+            elif run is None or run[0] != depth:
+                continue
+            run[0] += 1
+            run[1] += 1 if tiers & Tier.GPU else 0
+            advanced = True
+        if not advanced:
+            break
+    return {r: Match(r, run[0], run[1]) for r, run in runs.items()}
+
+
+class MemoryIndex:
+    """In-process index: the default for a single router process without Redis."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[Namespace, dict[int, dict[str, int]]] = {}
+        self._ledgers: dict[tuple[str, Namespace], ReplicaLedger] = {}
+        self._seq: dict[tuple[str, Namespace], int] = {}
+        self._registry: dict[str, ReplicaRecord] = {}
+        self._seen: dict[str, float] = {}
+
+    def _ledger(self, replica: str, namespace: Namespace) -> ReplicaLedger:
+        base = namespace.base()
+        ledger = self._ledgers.get((replica, base))
+        if ledger is None:
+            ledger = self._ledgers[(replica, base)] = ReplicaLedger(replica, base)
+        return ledger
+
+    def _store(self, replica: str, namespace: Namespace, changes: LedgerChanges) -> None:
+        table = self._blocks.setdefault(namespace.base(), {})
+        for key, tiers in changes.placements.items():
+            holders = table.get(key)
+            if tiers:
+                if holders is None:
+                    holders = table[key] = {}
+                holders[replica] = tiers
+            elif holders is not None:
+                holders.pop(replica, None)
+                if not holders:
+                    del table[key]
+
+    async def apply(
+        self, replica: str, namespace: Namespace, batch: EventBatch, seq: int | None = None
+    ) -> ApplyResult:
+        ledger = self._ledger(replica, namespace)
+        changes = ledger.apply(batch.events)
+        self._store(replica, namespace, changes)
+        if seq is not None:
+            self._seq[(replica, namespace.base())] = seq
+        return ApplyResult(changes.stats, changes.cleared, len(ledger))
+
+    async def clear(self, replica: str, namespace: Namespace) -> int:
+        ledger = self._ledger(replica, namespace)
+        held = len(ledger)
+        self._store(replica, namespace, ledger.clear())
+        self._seq.pop((replica, namespace.base()), None)
+        return held
+
+    async def last_seq(self, replica: str, namespace: Namespace) -> int | None:
+        return self._seq.get((replica, namespace.base()))
+
+    async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
+        return walk(keys, self._blocks.get(namespace.base(), {}))
+
+    async def block_count(self, replica: str, namespace: Namespace) -> int:
+        return len(self._ledger(replica, namespace))
+
+    async def register(self, record: ReplicaRecord) -> None:
+        self._registry[record.id] = record
+        self._seen[record.id] = time.time()
+
+    async def replicas(self) -> list[ReplicaRecord]:
+        return [
+            msgspec.structs.replace(record, last_seen=self._seen.get(record.id, 0.0))
+            for record in self._registry.values()
+        ]
+
+    async def deregister(self, replica: str) -> None:
+        self._registry.pop(replica, None)
+        self._seen.pop(replica, None)
+
+    async def reap(self) -> list[ReplicaRecord]:
+        now = time.time()
+        stale = [r for r in await self.replicas() if now - r.last_seen > r.ttl_s]
+        for record in stale:
+            await self.deregister(record.id)
+        return stale
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,99 @@
+"""The whole Redis key schema, prefixed and versioned; nothing else builds Redis keys.
+
+Every key of one index partition (model + block size) carries the same hash tag
+``{<nsid>}``, so multi-key scripts stay in one Redis Cluster slot. Layout (``P`` =
+``kvr:v1``, ``T`` = ``{nsid}``):
+
+==============================  =====  ===================================================
+key                             type   content
+==============================  =====  ===================================================
+``P:T:b:<bucket hex4>``         HASH   field: block key (8 bytes BE) -> value: 2 bytes per
+                                       replica holding it, ``rid << 2 | tiers``
+``P:T:e:<rid>:<bucket hex3>``   HASH   a replica's engine map: field: engine hash (8 bytes
+                                       BE) -> value: block key (8 B) + GPU refs (2 B) +
+                                       offload refs (2 B)
+``P:T:p:<bucket hex4>``         HASH   predictions (router): block key -> 2 bytes per
+                                       replica + 4 bytes expiry (ms) each
+``P:T:rid``                     HASH   replica id -> short numeric rid (1..16383)
+``P:T:rname``                   HASH   rid -> replica id
+``P:T:ridseq``                  STRING last rid allocated
+``P:T:seq``                     HASH   replica id -> last applied event sequence number
+``P:T:load``                    ZSET   router load leases (router issue)
+``P:namespaces``                HASH   nsid -> JSON {model, block_size}
+``P:replicas``                  HASH   replica id -> JSON registry record
+``P:replicas:seen``             HASH   replica id -> last heartbeat (Redis server time, ms)
+==============================  =====  ===================================================
+
+Buckets keep each Redis hash small enough for the compact listpack encoding, which is what
+keeps memory per (block, replica) low: blocks are spread over ``2**BLOCK_BUCKET_BITS``
+buckets by their key's top bits, engine hashes over ``ENGINE_BUCKETS`` buckets per replica.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import xxhash
+
+from tracker.blocks import Namespace
+
+PREFIX: Final = "kvr:v1"
+BLOCK_BUCKET_BITS: Final = 16
+ENGINE_BUCKETS: Final = 1024
+MAX_RID: Final = (1 << 14) - 1
+
+REPLICAS: Final = f"{PREFIX}:replicas"
+REPLICAS_SEEN: Final = f"{PREFIX}:replicas:seen"
+NAMESPACES: Final = f"{PREFIX}:namespaces"
+
+
+def nsid(namespace: Namespace) -> str:
+    """Short stable id of an index partition (model + block size, LoRA excluded)."""
+    digest = xxhash.xxh3_64_hexdigest(f"{namespace.model}\x00{namespace.block_size}".encode())
+    return digest[:12]
+
+
+class NamespaceKeys:
+    """Key names of one index partition."""
+
+    __slots__ = (
+        "block_prefix",
+        "engine_prefix",
+        "load",
+        "nsid",
+        "prediction_prefix",
+        "rid",
+        "ridseq",
+        "rname",
+        "seq",
+        "tag",
+    )
+
+    def __init__(self, namespace: Namespace) -> None:
+        self.nsid = nsid(namespace)
+        self.tag = f"{PREFIX}:{{{self.nsid}}}"
+        self.block_prefix = f"{self.tag}:b:"
+        self.prediction_prefix = f"{self.tag}:p:"
+        self.engine_prefix = f"{self.tag}:e:"
+        self.rid = f"{self.tag}:rid"
+        self.rname = f"{self.tag}:rname"
+        self.ridseq = f"{self.tag}:ridseq"
+        self.seq = f"{self.tag}:seq"
+        self.load = f"{self.tag}:load"
+
+    def block_bucket(self, key: int) -> str:
+        return f"{self.block_prefix}{key >> (64 - BLOCK_BUCKET_BITS):04x}"
+
+    def prediction_bucket(self, key: int) -> str:
+        return f"{self.prediction_prefix}{key >> (64 - BLOCK_BUCKET_BITS):04x}"
+
+    def engine_bucket(self, rid: int, engine_hash: int) -> str:
+        return f"{self.engine_prefix}{rid}:{engine_hash % ENGINE_BUCKETS:03x}"
+
+    def engine_buckets(self, rid: int) -> list[str]:
+        return [f"{self.engine_prefix}{rid}:{b:03x}" for b in range(ENGINE_BUCKETS)]
+
+
+def field(key: int) -> bytes:
+    """A 64-bit block key or engine hash as a hash field."""
+    return key.to_bytes(8, "big")

@@ -1,0 +1,262 @@
+"""Per-replica interpretation of KV events: engine hash -> block key mapping and ref counts.
+
+A :class:`ReplicaLedger` turns one replica's event stream into idempotent placements
+``(block key, tiers)`` (``tiers == 0`` means the replica no longer holds the block) plus
+changes to its engine map. Both index backends share it, so they agree by construction;
+they differ only in where placements are stored.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+from tracker.blocks import Namespace, block_keys
+from tracker.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    external_hash_u64,
+)
+
+logger = logging.getLogger(__name__)
+
+_FULL_ATTENTION_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+
+class Tier(enum.IntFlag):
+    """Where a replica holds a block: its GPU pool, or an offload medium (CPU, disk, ...)."""
+
+    GPU = 1
+    OFFLOAD = 2
+
+
+def tier_of(medium: str | None) -> Tier:
+    """vLLM leaves ``medium`` unset before v0.10.2 and says ``"GPU"`` for its own pool."""
+    return Tier.GPU if medium is None or medium.upper() == MEDIUM_GPU else Tier.OFFLOAD
+
+
+@dataclass(slots=True)
+class EngineBlock:
+    """One engine hash of a replica: the block key it maps to and its references per tier."""
+
+    key: int
+    gpu: int = 0
+    offload: int = 0
+
+    def add(self, tier: Tier, delta: int) -> None:
+        if tier is Tier.GPU:
+            self.gpu += delta
+        else:
+            self.offload += delta
+
+    def count(self, tier: Tier) -> int:
+        return self.gpu if tier is Tier.GPU else self.offload
+
+    def pack(self) -> bytes:
+        return (
+            self.key.to_bytes(8, "big")
+            + min(self.gpu, 0xFFFF).to_bytes(2, "big")
+            + min(self.offload, 0xFFFF).to_bytes(2, "big")
+        )
+
+    @classmethod
+    def unpack(cls, value: bytes) -> EngineBlock:
+        return cls(
+            int.from_bytes(value[:8], "big"),
+            int.from_bytes(value[8:10], "big"),
+            int.from_bytes(value[10:12], "big"),
+        )
+
+
+@dataclass(slots=True)
+class LedgerChanges:
+    """The effect of one batch: final tiers per touched key, engine map upserts/deletes."""
+
+    placements: dict[int, int] = field(default_factory=dict)
+    engine: dict[int, EngineBlock | None] = field(default_factory=dict)
+    stats: Counter[str] = field(default_factory=Counter)
+    cleared: bool = False
+
+
+class ReplicaLedger:
+    """What one replica holds, derived only from its events.
+
+    Args:
+        replica_id: the replica's stable id.
+        namespace: the index partition (model and block size) the replica serves.
+    """
+
+    def __init__(self, replica_id: str, namespace: Namespace) -> None:
+        self.replica_id = replica_id
+        self.namespace = namespace.base()
+        self.engine: dict[int, EngineBlock] = {}
+        self.refs: dict[int, list[int]] = {}
+        self.orphans: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def tiers(self, key: int) -> int:
+        refs = self.refs.get(key)
+        if refs is None:
+            return 0
+        return (Tier.GPU if refs[0] > 0 else 0) | (Tier.OFFLOAD if refs[1] > 0 else 0)
+
+    def placements(self) -> Iterator[tuple[int, int]]:
+        """Every block the replica holds, with its tiers."""
+        for key in self.refs:
+            yield key, self.tiers(key)
+
+    def load(self, entries: Iterable[tuple[int, EngineBlock]]) -> None:
+        """Rebuild from a persisted engine map (tracker restart)."""
+        self.engine.clear()
+        self.refs.clear()
+        self.orphans.clear()
+        for engine_hash, block in entries:
+            self.engine[engine_hash] = block
+            refs = self.refs.setdefault(block.key, [0, 0])
+            refs[0] += block.gpu
+            refs[1] += block.offload
+
+    def apply(self, events: Iterable[Event]) -> LedgerChanges:
+        """Apply one batch's events in order and return what changed."""
+        changes = LedgerChanges()
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._stored(event, changes)
+            elif isinstance(event, BlockRemoved):
+                self._removed(event, changes)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear(changes)
+                changes.stats["cleared"] += 1
+            else:
+                changes.stats["unknown_event"] += 1
+        return changes
+
+    def clear(self, changes: LedgerChanges | None = None) -> LedgerChanges:
+        """Forget everything; the returned changes remove every placement."""
+        changes = changes if changes is not None else LedgerChanges()
+        for key in self.refs:
+            changes.placements[key] = 0
+        for engine_hash in self.engine:
+            changes.engine[engine_hash] = None
+        changes.cleared = True
+        self.engine.clear()
+        self.refs.clear()
+        self.orphans.clear()
+        return changes
+
+    def _indexed_group(self, group_idx: int | None, kind: str | None) -> bool:
+        # Hybrid models announce every block once per KV-cache group with the same hash; only
+        # the full-attention group describes a reusable prefix (llm-d-router#2362).
+        if kind is not None:
+            return kind in _FULL_ATTENTION_KINDS
+        return group_idx in (None, 0)
+
+    def _touch(self, key: int, tier: Tier, delta: int, changes: LedgerChanges) -> None:
+        refs = self.refs.setdefault(key, [0, 0])
+        refs[0 if tier is Tier.GPU else 1] += delta
+        if refs[0] <= 0 and refs[1] <= 0:
+            del self.refs[key]
+        changes.placements[key] = self.tiers(key)
+
+    def _stored(self, event: BlockStored, changes: LedgerChanges) -> None:
+        hashes = [external_hash_u64(h) for h in event.block_hashes]
+        if not self._indexed_group(event.group_idx, event.kv_cache_spec_kind):
+            changes.stats["skipped_group"] += len(hashes)
+            return
+        tier = tier_of(event.medium)
+        if not event.token_ids:
+            self._stored_tokenless(hashes, tier, changes)
+            return
+        if event.block_size != self.namespace.block_size:
+            changes.stats["block_size_mismatch"] += len(hashes)
+            return
+        if len(event.token_ids) != len(hashes) * event.block_size:
+            changes.stats["token_count_mismatch"] += len(hashes)
+            return
+        parent_key: int | None = None
+        if event.parent_block_hash is not None:
+            parent = self.engine.get(external_hash_u64(event.parent_block_hash))
+            if parent is None:
+                # Missed events (late join, unrecoverable gap): the chain key cannot be
+                # derived. Remember the hashes so descendants and removals are recognised,
+                # and let the subscriber resync this replica.
+                for h in hashes:
+                    self.orphans[h] += 1
+                changes.stats["orphan"] += len(hashes)
+                return
+            parent_key = parent.key
+        namespace = Namespace(self.namespace.model, self.namespace.block_size, event.lora_name)
+        keys = block_keys(
+            event.token_ids, namespace, parent=parent_key, extra_keys=event.extra_keys
+        )
+        for engine_hash, key in zip(hashes, keys, strict=True):
+            block = self.engine.get(engine_hash)
+            if block is None:
+                block = self.engine[engine_hash] = EngineBlock(key)
+            elif block.key != key:
+                changes.stats["hash_conflict"] += 1
+                self._drop(engine_hash, block, changes)
+                block = self.engine[engine_hash] = EngineBlock(key)
+            block.add(tier, 1)
+            self.orphans.pop(engine_hash, None)
+            self._touch(key, tier, 1, changes)
+            changes.engine[engine_hash] = block
+        changes.stats["stored"] += len(hashes)
+
+    def _stored_tokenless(self, hashes: list[int], tier: Tier, changes: LedgerChanges) -> None:
+        # Offload connectors announce copies of blocks the GPU pool already described.
+        for engine_hash in hashes:
+            block = self.engine.get(engine_hash)
+            if block is None:
+                changes.stats["tokenless_unknown"] += 1
+                continue
+            block.add(tier, 1)
+            self._touch(block.key, tier, 1, changes)
+            changes.engine[engine_hash] = block
+            changes.stats["stored"] += 1
+
+    def _drop(self, engine_hash: int, block: EngineBlock, changes: LedgerChanges) -> None:
+        for tier in (Tier.GPU, Tier.OFFLOAD):
+            if block.count(tier):
+                self._touch(block.key, tier, -block.count(tier), changes)
+        del self.engine[engine_hash]
+        changes.engine[engine_hash] = None
+
+    def _removed(self, event: BlockRemoved, changes: LedgerChanges) -> None:
+        if not self._indexed_group(event.group_idx, None):
+            changes.stats["skipped_group"] += len(event.block_hashes)
+            return
+        tier = tier_of(event.medium)
+        for raw in event.block_hashes:
+            engine_hash = external_hash_u64(raw)
+            block = self.engine.get(engine_hash)
+            if block is None:
+                if self.orphans[engine_hash] > 0:
+                    self.orphans[engine_hash] -= 1
+                    if not self.orphans[engine_hash]:
+                        del self.orphans[engine_hash]
+                    changes.stats["removed_orphan"] += 1
+                else:
+                    self.orphans.pop(engine_hash, None)
+                    changes.stats["unknown_remove"] += 1
+                continue
+            if block.count(tier) <= 0:
+                changes.stats["unbalanced_remove"] += 1
+                continue
+            block.add(tier, -1)
+            self._touch(block.key, tier, -1, changes)
+            if block.gpu <= 0 and block.offload <= 0:
+                del self.engine[engine_hash]
+                changes.engine[engine_hash] = None
+            else:
+                changes.engine[engine_hash] = block
+            changes.stats["removed"] += 1

@@ -1,0 +1,289 @@
+"""Redis-backed block index shared by every router and tracker; layout in :mod:`tracker.keys`.
+
+Writes: each batch becomes one ``EVALSHA`` of :data:`tracker.lua.APPLY` (idempotent
+placements, engine-map updates and the sequence checkpoint, atomically). Reads: one
+``EVALSHA`` of :data:`tracker.lua.LOOKUP` walks the chain server-side and stops at the first
+block no replica holds, so a lookup is one round trip whatever the chain length.
+
+A tracker owns the :class:`~tracker.ledger.ReplicaLedger` of the replicas it consumes; the
+ledger is rebuilt from the persisted engine map after a restart. When Redis is unreachable
+the ledger keeps absorbing events and their effect is kept as pending changes, flushed (they
+are idempotent) as soon as Redis answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from tracker import keys as schema
+from tracker import lua
+from tracker.blocks import Namespace
+from tracker.errors import IndexUnavailableError
+from tracker.events import EventBatch
+from tracker.index import ApplyResult, Match, ReplicaRecord
+from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
+
+logger = logging.getLogger(__name__)
+
+OPS_PER_CALL: Final = 8192
+_record_decoder = msgspec.json.Decoder(ReplicaRecord)
+
+
+class _Pending:
+    """Changes a ledger made that Redis has not acknowledged yet."""
+
+    __slots__ = ("changes", "seq")
+
+    def __init__(self) -> None:
+        self.changes = LedgerChanges()
+        self.seq: str = ""
+
+    def merge(self, changes: LedgerChanges, seq: str) -> None:
+        self.changes.placements.update(changes.placements)
+        self.changes.engine.update(changes.engine)
+        if seq:
+            self.seq = seq
+
+    def __bool__(self) -> bool:
+        return bool(self.changes.placements or self.changes.engine or self.seq)
+
+
+class RedisIndex:
+    """The shared index. Construct with :meth:`from_url` or around an existing client."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._apply = client.register_script(lua.APPLY)
+        self._lookup = client.register_script(lua.LOOKUP)
+        self._rid_script = client.register_script(lua.RID)
+        self._release_rid = client.register_script(lua.RELEASE_RID)
+        self._heartbeat = client.register_script(lua.HEARTBEAT)
+        self._registry = client.register_script(lua.REGISTRY)
+        self._keys: dict[Namespace, schema.NamespaceKeys] = {}
+        self._rids: dict[tuple[str, Namespace], int] = {}
+        self._ledgers: dict[tuple[str, Namespace], ReplicaLedger] = {}
+        self._pending: dict[tuple[str, Namespace], _Pending] = {}
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 2.0) -> RedisIndex:
+        client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        return cls(client)
+
+    def keys_for(self, namespace: Namespace) -> schema.NamespaceKeys:
+        base = namespace.base()
+        nk = self._keys.get(base)
+        if nk is None:
+            nk = self._keys[base] = schema.NamespaceKeys(base)
+        return nk
+
+    async def _call(self, what: str, coro: Any) -> Any:
+        try:
+            return await coro
+        except (RedisError, OSError) as exc:
+            raise IndexUnavailableError(f"redis {what} failed: {exc}") from exc
+
+    async def rid(self, replica: str, namespace: Namespace) -> int:
+        """The replica's short numeric id in ``namespace``, allocated on first use."""
+        base = namespace.base()
+        rid = self._rids.get((replica, base))
+        if rid is None:
+            nk = self.keys_for(base)
+            rid = int(
+                await self._call(
+                    "rid",
+                    self._rid_script(
+                        keys=[nk.rid, nk.rname, nk.ridseq, f"{nk.tag}:ridfree"],
+                        args=[replica, schema.MAX_RID],
+                    ),
+                )
+            )
+            await self._call(
+                "namespace",
+                self.client.hset(
+                    schema.NAMESPACES,
+                    nk.nsid,
+                    msgspec.json.encode({"model": base.model, "block_size": base.block_size}),
+                ),
+            )
+            self._rids[(replica, base)] = rid
+        return rid
+
+    async def _ledger(self, replica: str, namespace: Namespace) -> ReplicaLedger:
+        base = namespace.base()
+        ledger = self._ledgers.get((replica, base))
+        if ledger is not None:
+            return ledger
+        rid = await self.rid(replica, base)
+        nk = self.keys_for(base)
+        buckets = nk.engine_buckets(rid)
+        entries: list[tuple[int, EngineBlock]] = []
+        for start in range(0, len(buckets), 128):
+            pipe = self.client.pipeline(transaction=False)
+            for bucket in buckets[start : start + 128]:
+                pipe.hgetall(bucket)
+            for mapping in await self._call("load", pipe.execute()):
+                entries.extend(
+                    (int.from_bytes(f, "big"), EngineBlock.unpack(v)) for f, v in mapping.items()
+                )
+        ledger = ReplicaLedger(replica, base)
+        ledger.load(entries)
+        self._ledgers[(replica, base)] = ledger
+        if entries:
+            logger.info(
+                "replica ledger restored from redis",
+                extra={"replica": replica, "engine_blocks": len(entries)},
+            )
+        return ledger
+
+    async def _flush(self, replica: str, namespace: Namespace) -> None:
+        pending = self._pending.get((replica, namespace))
+        if not pending:
+            return
+        rid = await self.rid(replica, namespace)
+        nk = self.keys_for(namespace)
+        placements = list(pending.changes.placements.items())
+        engine = list(pending.changes.engine.items())
+        pipe = self.client.pipeline(transaction=True)
+        calls = max(1, -(-(len(placements) + len(engine)) // OPS_PER_CALL))
+        for call in range(calls):
+            place = placements[call * OPS_PER_CALL : (call + 1) * OPS_PER_CALL]
+            eng = engine[call * OPS_PER_CALL : (call + 1) * OPS_PER_CALL]
+            keys = [nk.seq]
+            args: list[Any] = [replica, pending.seq if call == calls - 1 else "", rid, len(place)]
+            for key, tiers in place:
+                keys.append(nk.block_bucket(key))
+                args.append(key.to_bytes(8, "big") + bytes((tiers,)))
+            for engine_hash, block in eng:
+                keys.append(nk.engine_bucket(rid, engine_hash))
+                field = engine_hash.to_bytes(8, "big")
+                args.append(field if block is None else field + block.pack())
+            await self._apply(keys=keys, args=args, client=pipe)
+        await self._call("apply", pipe.execute())
+        del self._pending[(replica, namespace)]
+
+    async def _commit(
+        self, replica: str, namespace: Namespace, changes: LedgerChanges, seq: str
+    ) -> None:
+        pending = self._pending.setdefault((replica, namespace), _Pending())
+        pending.merge(changes, seq)
+        await self._flush(replica, namespace)
+
+    async def flush(self) -> int:
+        """Retry every pending write; returns how many replicas are still pending."""
+        for replica, namespace in list(self._pending):
+            try:
+                await self._flush(replica, namespace)
+            except IndexUnavailableError:
+                break
+        return len(self._pending)
+
+    async def apply(
+        self, replica: str, namespace: Namespace, batch: EventBatch, seq: int | None = None
+    ) -> ApplyResult:
+        base = namespace.base()
+        ledger = await self._ledger(replica, base)
+        changes = ledger.apply(batch.events)
+        result = ApplyResult(changes.stats, changes.cleared, len(ledger))
+        await self._commit(replica, base, changes, "" if seq is None else str(seq))
+        return result
+
+    async def clear(self, replica: str, namespace: Namespace) -> int:
+        base = namespace.base()
+        ledger = await self._ledger(replica, base)
+        held = len(ledger)
+        await self._commit(replica, base, ledger.clear(), "-")
+        return held
+
+    async def forget(self, replica: str, namespace: Namespace) -> int:
+        """Clear a departed replica and release its short id for reuse."""
+        held = await self.clear(replica, namespace)
+        base = namespace.base()
+        nk = self.keys_for(base)
+        await self._call(
+            "release",
+            self._release_rid(keys=[nk.rid, nk.rname, f"{nk.tag}:ridfree"], args=[replica]),
+        )
+        self._rids.pop((replica, base), None)
+        self._ledgers.pop((replica, base), None)
+        return held
+
+    async def last_seq(self, replica: str, namespace: Namespace) -> int | None:
+        base = namespace.base()
+        pending = self._pending.get((replica, base))
+        if pending is not None and pending.seq:
+            return None if pending.seq == "-" else int(pending.seq)
+        value = await self._call("seq", self.client.hget(self.keys_for(base).seq, replica))
+        return None if value is None else int(value)
+
+    async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
+        if not keys:
+            return {}
+        nk = self.keys_for(namespace)
+        bucket = nk.block_bucket
+        reply = await self._call(
+            "lookup",
+            self._lookup(
+                keys=[nk.rname, *[bucket(k) for k in keys]],
+                args=[k.to_bytes(8, "big") for k in keys],
+            ),
+        )
+        out: dict[str, Match] = {}
+        for i in range(0, len(reply), 3):
+            name = reply[i].decode()
+            out[name] = Match(name, int(reply[i + 1]), int(reply[i + 2]))
+        return out
+
+    async def block_count(self, replica: str, namespace: Namespace) -> int:
+        return len(await self._ledger(replica, namespace))
+
+    async def register(self, record: ReplicaRecord) -> None:
+        await self._call(
+            "heartbeat",
+            self._heartbeat(
+                keys=[schema.REPLICAS, schema.REPLICAS_SEEN],
+                args=[record.id, msgspec.json.encode(record)],
+            ),
+        )
+
+    async def _registry_call(self, mode: str) -> list[ReplicaRecord]:
+        reply = await self._call(
+            "registry", self._registry(keys=[schema.REPLICAS, schema.REPLICAS_SEEN], args=[mode])
+        )
+        records = []
+        for i in range(1, len(reply), 3):
+            try:
+                record = _record_decoder.decode(reply[i + 2])
+            except msgspec.DecodeError:
+                logger.warning("ignoring malformed registry entry", extra={"replica": reply[i]})
+                continue
+            records.append(msgspec.structs.replace(record, last_seen=int(reply[i + 1]) / 1000))
+        return records
+
+    async def replicas(self) -> list[ReplicaRecord]:
+        return await self._registry_call("list")
+
+    async def deregister(self, replica: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hdel(schema.REPLICAS, replica)
+        pipe.hdel(schema.REPLICAS_SEEN, replica)
+        await self._call("deregister", pipe.execute())
+
+    async def reap(self) -> list[ReplicaRecord]:
+        return await self._registry_call("reap")
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.client.ping())
+        except (RedisError, OSError):
+            return False
+
+    async def close(self) -> None:
+        await self.client.aclose()
