@@ -272,10 +272,10 @@ def _decode_event(raw: Any) -> Event:
             raise DecodeError("bad_event", f"{tag} has {len(values)} fields")
         fields = dict(zip(names, values, strict=False))
     elif isinstance(raw, dict):
-        tag = raw.get("type")
-        if not isinstance(tag, str):
+        map_tag = raw.get("type")
+        if not isinstance(map_tag, str):
             raise DecodeError("bad_event", "map event without a string 'type'")
-        fields = raw
+        tag, fields = map_tag, raw
         if tag == "BlockStored" and not {"block_hashes", "token_ids", "block_size"} <= raw.keys():
             raise DecodeError("bad_event", "BlockStored map lacks required keys")
     else:
