@@ -32,7 +32,11 @@ class Command:
 def load_commands() -> dict[str, Command]:
     commands: dict[str, Command] = {}
     for ep in entry_points(group="kvrouter.commands"):
-        command = ep.load()
+        try:
+            command = ep.load()
+        except ImportError as exc:  # a part that failed to install must not hide the others
+            print(f"kvrouter: command {ep.name!r} unavailable: {exc}", file=sys.stderr)
+            continue
         if isinstance(command, Command):
             commands[command.name] = command
     return dict(sorted(commands.items()))

@@ -99,25 +99,43 @@ class BlockIndex(Protocol):
 
 
 def walk(keys: Sequence[int], holders_of: dict[int, dict[str, int]]) -> dict[str, Match]:
-    """Longest contiguous match per replica; stops at the first block no candidate holds."""
-    runs: dict[str, list[int]] = {}
-    for depth, key in enumerate(keys):
+    """Longest contiguous match per replica; stops at the first block no candidate holds.
+
+    Consecutive blocks held by the same replicas (the common case: a shared prefix) compare
+    equal as dicts, so a run costs one C-level comparison per block instead of a loop.
+    """
+    lengths: dict[str, int] = {}
+    gpu: dict[str, int] = {}
+    advanced: list[str] = []
+    gpu_advanced: list[str] = []
+    previous: dict[str, int] | None = None
+    depth = pending = 0
+    for key in keys:
         holders = holders_of.get(key)
         if not holders:
             break
-        advanced = False
-        for replica, tiers in holders.items():
-            run = runs.get(replica)
-            if depth == 0:
-                run = runs[replica] = [0, 0]
-            elif run is None or run[0] != depth:
-                continue
-            run[0] += 1
-            run[1] += 1 if tiers & Tier.GPU else 0
-            advanced = True
+        if holders == previous:
+            pending += 1
+            continue
+        for replica in advanced:
+            lengths[replica] += pending
+        for replica in gpu_advanced:
+            gpu[replica] += pending
+        depth += pending
+        if depth == 0:
+            lengths = dict.fromkeys(holders, 0)
+            gpu = dict.fromkeys(holders, 0)
+        advanced = [r for r in holders if lengths.get(r, -1) == depth]
         if not advanced:
+            pending = 0
             break
-    return {r: Match(r, run[0], run[1]) for r, run in runs.items()}
+        gpu_advanced = [r for r in advanced if holders[r] & 1]
+        previous, pending = holders, 1
+    for replica in advanced:
+        lengths[replica] += pending
+    for replica in gpu_advanced:
+        gpu[replica] += pending
+    return {r: Match(r, n, gpu[r]) for r, n in lengths.items() if n}
 
 
 class MemoryIndex:

@@ -9,7 +9,7 @@ key                             type   content
 ==============================  =====  ===================================================
 ``P:T:b:<bucket hex4>``         HASH   field: block key (8 bytes BE) -> value: 2 bytes per
                                        replica holding it, ``rid << 2 | tiers``
-``P:T:e:<rid>:<bucket hex3>``   HASH   a replica's engine map: field: engine hash (8 bytes
+``P:T:e:<rid>:<bucket>``       HASH   a replica's engine map: field: engine hash (8 bytes
                                        BE) -> value: block key (8 B) + GPU refs (2 B) +
                                        offload refs (2 B)
 ``P:T:p:<bucket hex4>``         HASH   predictions (router): block key -> 2 bytes per
@@ -88,10 +88,11 @@ class NamespaceKeys:
         return f"{self.prediction_prefix}{key >> (64 - BLOCK_BUCKET_BITS):04x}"
 
     def engine_bucket(self, rid: int, engine_hash: int) -> str:
-        return f"{self.engine_prefix}{rid}:{engine_hash % ENGINE_BUCKETS:03x}"
+        bucket = engine_hash % ENGINE_BUCKETS
+        return f"{self.engine_prefix}{rid}:{bucket >> 8}{bucket & 0xFF:02x}"
 
     def engine_buckets(self, rid: int) -> list[str]:
-        return [f"{self.engine_prefix}{rid}:{b:03x}" for b in range(ENGINE_BUCKETS)]
+        return [f"{self.engine_prefix}{rid}:{b >> 8}{b & 0xFF:02x}" for b in range(ENGINE_BUCKETS)]
 
 
 def field(key: int) -> bytes:

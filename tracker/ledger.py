@@ -104,10 +104,11 @@ class ReplicaLedger:
         return len(self.refs)
 
     def tiers(self, key: int) -> int:
+        """Bitmask of :class:`Tier` values (plain int: this runs once per block event)."""
         refs = self.refs.get(key)
         if refs is None:
             return 0
-        return (Tier.GPU if refs[0] > 0 else 0) | (Tier.OFFLOAD if refs[1] > 0 else 0)
+        return (1 if refs[0] > 0 else 0) | (2 if refs[1] > 0 else 0)
 
     def placements(self) -> Iterator[tuple[int, int]]:
         """Every block the replica holds, with its tiers."""
@@ -161,11 +162,15 @@ class ReplicaLedger:
         return group_idx in (None, 0)
 
     def _touch(self, key: int, tier: Tier, delta: int, changes: LedgerChanges) -> None:
-        refs = self.refs.setdefault(key, [0, 0])
+        refs = self.refs.get(key)
+        if refs is None:
+            refs = self.refs[key] = [0, 0]
         refs[0 if tier is Tier.GPU else 1] += delta
         if refs[0] <= 0 and refs[1] <= 0:
             del self.refs[key]
-        changes.placements[key] = self.tiers(key)
+            changes.placements[key] = 0
+        else:
+            changes.placements[key] = (1 if refs[0] > 0 else 0) | (2 if refs[1] > 0 else 0)
 
     def _stored(self, event: BlockStored, changes: LedgerChanges) -> None:
         hashes = [external_hash_u64(h) for h in event.block_hashes]

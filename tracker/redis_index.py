@@ -14,6 +14,8 @@ are idempotent) as soon as Redis answers again.
 from __future__ import annotations
 
 import logging
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -32,6 +34,9 @@ from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
 logger = logging.getLogger(__name__)
 
 OPS_PER_CALL: Final = 8192
+_TIERS: Final = [bytes((t,)) for t in range(4)]
+_DELETE: Final = b"\x00" * 13
+_LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _record_decoder = msgspec.json.Decoder(ReplicaRecord)
 
 
@@ -96,15 +101,17 @@ class RedisIndex:
         rid = self._rids.get((replica, base))
         if rid is None:
             nk = self.keys_for(base)
-            rid = int(
-                await self._call(
-                    "rid",
-                    self._rid_script(
-                        keys=[nk.rid, nk.rname, nk.ridseq, f"{nk.tag}:ridfree"],
-                        args=[replica, schema.MAX_RID],
-                    ),
-                )
+            rid, created = await self._call(
+                "rid",
+                self._rid_script(
+                    keys=[nk.rid, nk.rname, nk.ridseq, f"{nk.tag}:ridfree"],
+                    args=[replica, schema.MAX_RID],
+                ),
             )
+            rid = int(rid)
+            if created:
+                # A new id has no persisted engine map: nothing to restore.
+                self._ledgers.setdefault((replica, base), ReplicaLedger(replica, base))
             await self._call(
                 "namespace",
                 self.client.hset(
@@ -122,6 +129,9 @@ class RedisIndex:
         if ledger is not None:
             return ledger
         rid = await self.rid(replica, base)
+        ledger = self._ledgers.get((replica, base))
+        if ledger is not None:  # freshly allocated id
+            return ledger
         nk = self.keys_for(base)
         buckets = nk.engine_buckets(rid)
         entries: list[tuple[int, EngineBlock]] = []
@@ -151,22 +161,27 @@ class RedisIndex:
         nk = self.keys_for(namespace)
         placements = list(pending.changes.placements.items())
         engine = list(pending.changes.engine.items())
-        pipe = self.client.pipeline(transaction=True)
-        calls = max(1, -(-(len(placements) + len(engine)) // OPS_PER_CALL))
+        calls = max(1, -(-max(len(placements), len(engine)) // OPS_PER_CALL))
+        pipe = self.client.pipeline(transaction=True) if calls > 1 else None
         for call in range(calls):
-            place = placements[call * OPS_PER_CALL : (call + 1) * OPS_PER_CALL]
-            eng = engine[call * OPS_PER_CALL : (call + 1) * OPS_PER_CALL]
-            keys = [nk.seq]
-            args: list[Any] = [replica, pending.seq if call == calls - 1 else "", rid, len(place)]
-            for key, tiers in place:
-                keys.append(nk.block_bucket(key))
-                args.append(key.to_bytes(8, "big") + bytes((tiers,)))
-            for engine_hash, block in eng:
-                keys.append(nk.engine_bucket(rid, engine_hash))
-                field = engine_hash.to_bytes(8, "big")
-                args.append(field if block is None else field + block.pack())
-            await self._apply(keys=keys, args=args, client=pipe)
-        await self._call("apply", pipe.execute())
+            window = slice(call * OPS_PER_CALL, (call + 1) * OPS_PER_CALL)
+            args = [
+                replica,
+                pending.seq if call == calls - 1 else "",
+                rid,
+                nk.tag,
+                b"".join(k.to_bytes(8, "big") + _TIERS[t] for k, t in placements[window]),
+                b"".join(
+                    h.to_bytes(8, "big") + (_DELETE if b is None else b"\x01" + b.pack())
+                    for h, b in engine[window]
+                ),
+            ]
+            if pipe is None:
+                await self._call("apply", self._apply(keys=[nk.seq], args=args))
+            else:
+                await self._apply(keys=[nk.seq], args=args, client=pipe)
+        if pipe is not None:
+            await self._call("apply", pipe.execute())
         del self._pending[(replica, namespace)]
 
     async def _commit(
@@ -227,13 +242,11 @@ class RedisIndex:
         if not keys:
             return {}
         nk = self.keys_for(namespace)
-        bucket = nk.block_bucket
+        chain = array("Q", keys)
+        if _LITTLE_ENDIAN:
+            chain.byteswap()
         reply = await self._call(
-            "lookup",
-            self._lookup(
-                keys=[nk.rname, *[bucket(k) for k in keys]],
-                args=[k.to_bytes(8, "big") for k in keys],
-            ),
+            "lookup", self._lookup(keys=[nk.rname], args=[nk.tag, chain.tobytes()])
         )
         out: dict[str, Match] = {}
         for i in range(0, len(reply), 3):
