@@ -46,7 +46,7 @@ class Namespace:
 
     def base(self) -> Namespace:
         """The index partition this namespace lives in (LoRA is folded into the keys)."""
-        return Namespace(self.model, self.block_size) if self.lora_name else self
+        return self if self.lora_name is None else Namespace(self.model, self.block_size)
 
 
 @lru_cache(maxsize=1024)

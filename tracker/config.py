@@ -38,6 +38,7 @@ class TrackerSettings(LogSettings):
     http_host: str = setting("127.0.0.1", "address of the /metrics and /health server")
     http_port: int = setting(9100, "port of the /metrics and /health server (0: disabled)")
     replay_timeout_s: float = setting(2.0, "give up on a replay after this long")
+    max_replays: int = setting(8, "replay requests in flight at once, across all replicas")
     resync_cooldown_s: float = setting(5.0, "minimum time between resyncs of one replica")
     reap_interval_s: float = setting(2.0, "how often to expire replicas that stopped heartbeating")
     shutdown_timeout_s: float = setting(5.0, "graceful shutdown budget")
@@ -47,6 +48,8 @@ class TrackerSettings(LogSettings):
             ReplicaSpec.parse(spec)
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
+        if self.max_replays <= 0:
+            raise ValueError("max_replays must be positive")
 
     @property
     def replica_specs(self) -> list[ReplicaSpec]:

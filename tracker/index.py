@@ -10,22 +10,29 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import msgspec
 
 from tracker.blocks import Namespace
 from tracker.events import EventBatch
-from tracker.ledger import LedgerChanges, ReplicaLedger, Tier
+from tracker.ledger import LedgerChanges, ReplicaLedger
+
+_PREDICTION_SWEEP = 10_000
 
 
 class Match(msgspec.Struct, frozen=True):
-    """A replica's longest contiguous run of held blocks from the start of a chain."""
+    """A replica's longest contiguous run of held blocks from the start of a chain.
+
+    ``predicted_blocks`` of the run are only predicted (the router sent a request with these
+    blocks there and the engine's events have not confirmed them yet); they count as GPU.
+    """
 
     replica: str
     blocks: int
     gpu_blocks: int
+    predicted_blocks: int = 0
 
     @property
     def offload_blocks(self) -> int:
@@ -79,6 +86,15 @@ class BlockIndex(Protocol):
     async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
         """Per replica, the longest contiguous prefix of ``keys`` it holds (absent if none)."""
 
+    async def predict(
+        self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
+    ) -> None:
+        """Record that ``replica`` will hold ``keys`` within ``ttl_s`` (predict-on-route).
+
+        Lookups extend a match with unexpired predictions where real placements end; real
+        events supersede them.
+        """
+
     async def block_count(self, replica: str, namespace: Namespace) -> int:
         """How many distinct blocks ``replica`` holds."""
 
@@ -98,11 +114,17 @@ class BlockIndex(Protocol):
         """Release connections."""
 
 
-def walk(keys: Sequence[int], holders_of: dict[int, dict[str, int]]) -> dict[str, Match]:
+def walk(
+    keys: Sequence[int],
+    holders_of: dict[int, dict[str, int]],
+    predicted_of: Callable[[int], Iterable[str]] | None = None,
+) -> dict[str, Match]:
     """Longest contiguous match per replica; stops at the first block no candidate holds.
 
     Consecutive blocks held by the same replicas (the common case: a shared prefix) compare
-    equal as dicts, so a run costs one C-level comparison per block instead of a loop.
+    equal as dicts, so a run costs one C-level comparison per block instead of a loop. Where
+    real placements end, ``predicted_of(key)`` (replicas predicted to hold ``key``) extends the
+    replicas still matching, or any replica if nothing matched.
     """
     lengths: dict[str, int] = {}
     gpu: dict[str, int] = {}
@@ -135,7 +157,47 @@ def walk(keys: Sequence[int], holders_of: dict[int, dict[str, int]]) -> dict[str
         lengths[replica] += pending
     for replica in gpu_advanced:
         gpu[replica] += pending
-    return {r: Match(r, n, gpu[r]) for r, n in lengths.items() if n}
+    predicted: dict[str, int] = {}
+    if predicted_of is not None:
+        _extend(
+            keys,
+            depth + pending,
+            holders_of=holders_of,
+            predicted_of=predicted_of,
+            lengths=lengths,
+            gpu=gpu,
+            predicted=predicted,
+        )
+    return {r: Match(r, n, gpu.get(r, 0), predicted.get(r, 0)) for r, n in lengths.items() if n}
+
+
+def _extend(
+    keys: Sequence[int],
+    depth: int,
+    *,
+    holders_of: dict[int, dict[str, int]],
+    predicted_of: Callable[[int], Iterable[str]],
+    lengths: dict[str, int],
+    gpu: dict[str, int],
+    predicted: dict[str, int],
+) -> None:
+    """Phase 2 of :func:`walk`: block by block, real placements or unexpired predictions."""
+    for key in keys[depth:]:
+        moved = False
+        for replica, tiers in (holders_of.get(key) or {}).items():
+            if lengths.get(replica, 0 if depth == 0 else -1) == depth:
+                lengths[replica] = depth + 1
+                gpu[replica] = gpu.get(replica, 0) + (tiers & 1)
+                moved = True
+        for replica in predicted_of(key):
+            if lengths.get(replica, 0 if depth == 0 else -1) == depth:
+                lengths[replica] = depth + 1
+                gpu[replica] = gpu.get(replica, 0) + 1
+                predicted[replica] = predicted.get(replica, 0) + 1
+                moved = True
+        if not moved:
+            return
+        depth += 1
 
 
 class MemoryIndex:
@@ -147,6 +209,8 @@ class MemoryIndex:
         self._seq: dict[tuple[str, Namespace], int] = {}
         self._registry: dict[str, ReplicaRecord] = {}
         self._seen: dict[str, float] = {}
+        self._predictions: dict[Namespace, dict[int, dict[str, float]]] = {}
+        self._sweep_at = 0.0
 
     def _ledger(self, replica: str, namespace: Namespace) -> ReplicaLedger:
         base = namespace.base()
@@ -189,7 +253,38 @@ class MemoryIndex:
         return self._seq.get((replica, namespace.base()))
 
     async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
-        return walk(keys, self._blocks.get(namespace.base(), {}))
+        predictions = self._predictions.get(namespace.base())
+        now = time.monotonic()
+
+        def predicted_of(key: int) -> list[str]:
+            entry = predictions.get(key) if predictions else None
+            return [r for r, expiry in entry.items() if expiry > now] if entry else []
+
+        return walk(keys, self._blocks.get(namespace.base(), {}), predicted_of)
+
+    async def predict(
+        self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
+    ) -> None:
+        table = self._predictions.setdefault(namespace.base(), {})
+        now = time.monotonic()
+        expiry = now + ttl_s
+        for key in keys:
+            entry = table.get(key)
+            if entry is None:
+                table[key] = {replica: expiry}
+            else:
+                for r in [r for r, e in entry.items() if e <= now]:
+                    del entry[r]
+                entry[replica] = expiry
+        if len(table) > _PREDICTION_SWEEP and self._sweep_at <= now:
+            self._sweep_predictions(now)
+
+    def _sweep_predictions(self, now: float) -> None:
+        """Drop expired predictions (bounded memory: at most one sweep per second)."""
+        self._sweep_at = now + 1.0
+        for table in self._predictions.values():
+            for key in [k for k, e in table.items() if max(e.values(), default=0.0) <= now]:
+                del table[key]
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
         return len(self._ledger(replica, namespace))

@@ -17,12 +17,16 @@ key                             type   content
 ``P:T:rid``                     HASH   replica id -> short numeric rid (1..16383)
 ``P:T:rname``                   HASH   rid -> replica id
 ``P:T:ridseq``                  STRING last rid allocated
+``P:T:ridfree``                 SET    rids released by departed replicas, reused first
 ``P:T:seq``                     HASH   replica id -> last applied event sequence number
 ``P:T:load``                    ZSET   router load leases (router issue)
 ``P:namespaces``                HASH   nsid -> JSON {model, block_size}
-``P:replicas``                  HASH   replica id -> JSON registry record
-``P:replicas:seen``             HASH   replica id -> last heartbeat (Redis server time, ms)
+``P:{replicas}``                HASH   replica id -> JSON registry record
+``P:{replicas}:seen``           HASH   replica id -> last heartbeat (Redis server time, ms)
 ==============================  =====  ===================================================
+
+The two registry hashes share the hash tag ``{replicas}``: the registry scripts and the
+deregistration transaction touch both.
 
 Buckets keep each Redis hash small enough for the compact listpack encoding, which is what
 keeps memory per (block, replica) low: blocks are spread over ``2**BLOCK_BUCKET_BITS``
@@ -38,12 +42,12 @@ import xxhash
 from tracker.blocks import Namespace
 
 PREFIX: Final = "kvr:v1"
-BLOCK_BUCKET_BITS: Final = 16
+BLOCK_BUCKET_BITS: Final = 14
 ENGINE_BUCKETS: Final = 1024
 MAX_RID: Final = (1 << 14) - 1
 
-REPLICAS: Final = f"{PREFIX}:replicas"
-REPLICAS_SEEN: Final = f"{PREFIX}:replicas:seen"
+REPLICAS: Final = f"{PREFIX}:{{replicas}}"
+REPLICAS_SEEN: Final = f"{PREFIX}:{{replicas}}:seen"
 NAMESPACES: Final = f"{PREFIX}:namespaces"
 
 
@@ -63,6 +67,7 @@ class NamespaceKeys:
         "nsid",
         "prediction_prefix",
         "rid",
+        "ridfree",
         "ridseq",
         "rname",
         "seq",
@@ -78,6 +83,7 @@ class NamespaceKeys:
         self.rid = f"{self.tag}:rid"
         self.rname = f"{self.tag}:rname"
         self.ridseq = f"{self.tag}:ridseq"
+        self.ridfree = f"{self.tag}:ridfree"
         self.seq = f"{self.tag}:seq"
         self.load = f"{self.tag}:load"
 

@@ -1,38 +1,64 @@
 """Server-side Redis scripts of the index; key layout as documented in :mod:`tracker.keys`.
 
 Block-bucket values are strings of 2-byte entries, one per replica: ``rid << 2 | tiers``
-(``tiers`` bit 0 = GPU, bit 1 = offload). Scripts declare every key they touch, and all keys
-of one call share a hash tag, so they run unchanged on Redis Cluster.
+(``tiers`` bit 0 = GPU, bit 1 = offload). Every key a call touches shares the hash tag of
+the keys it declares, so the scripts run unchanged on Redis Cluster.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
+from tracker.keys import BLOCK_BUCKET_BITS
+
 # Bucket key names are derived here from the partition's key prefix (ARGV), so a call carries
 # a few large arguments instead of one per block (argument packing dominated client CPU).
 # Every key touched shares the hash tag of the declared key, so the call is routed to the
 # node owning that slot and never crosses slots.
-_BUCKETS: Final = """
-local hex = {}
-for i = 0, 255 do hex[i] = string.format('%02x', i) end
+_HEX_TABLE: Final = "local hex = {[0] = " + ", ".join(f"'{i:02x}'" for i in range(256)) + "}"
+_BUCKETS: Final = (
+    _HEX_TABLE
+    + """
 local function block_bucket(prefix, f)
   local b1, b2 = string.byte(f, 1, 2)
-  return prefix .. hex[b1] .. hex[b2]
+  local b = math.floor((b1 * 256 + b2) / """
+    + str(1 << (16 - BLOCK_BUCKET_BITS))
+    + """)
+  return prefix .. hex[math.floor(b / 256)] .. hex[b % 256]
 end
 local function engine_bucket(prefix, f)
   local b7, b8 = string.byte(f, 7, 8)
   return prefix .. (b7 % 4) .. hex[b8]
 end
 """
+)
 
-# KEYS: [seq hash]
+# KEYS: [seq hash, rid hash, rname hash, ridseq, free rid set]
 # ARGV: [replica, seq ("" keep, "-" delete, else set), rid, key prefix with hash tag,
 #        placements: n x (8-byte block key .. 1-byte tiers),
 #        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. 12-byte value)]
-APPLY: Final = _BUCKETS + """
+# Returns APPLY_OK; APPLY_RID_RESTORED when the rid mapping was missing and has been put back
+# (Redis lost its data: the caller must write the replica's whole state again); or
+# APPLY_RID_TAKEN, having written nothing, when another replica owns the rid now (the caller
+# must allocate a new one).
+APPLY_OK: Final = 0
+APPLY_RID_RESTORED: Final = 1
+APPLY_RID_TAKEN: Final = -1
+APPLY: Final = (
+    _BUCKETS
+    + """
 local replica, seq, rid, tag = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local places, engine = ARGV[5], ARGV[6]
+local status = 0
+local owner = redis.call('HGET', KEYS[3], rid)
+if owner ~= replica then
+  if owner or redis.call('HGET', KEYS[2], replica) then return -1 end
+  redis.call('HSET', KEYS[2], replica, rid)
+  redis.call('HSET', KEYS[3], rid, replica)
+  redis.call('SREM', KEYS[5], rid)
+  if tonumber(redis.call('GET', KEYS[4]) or '0') < rid then redis.call('SET', KEYS[4], rid) end
+  status = 1
+end
 local bprefix, eprefix = tag .. ':b:', tag .. ':e:' .. rid .. ':'
 local hi = math.floor(rid / 64)
 local lo = (rid % 64) * 4
@@ -71,17 +97,46 @@ if seq == '-' then
 elseif seq ~= '' then
   redis.call('HSET', KEYS[1], replica, seq)
 end
-return #places / 9
+return status
+"""
+)
+
+# Prediction buckets (``p:``) hold, per block key, 8-byte entries: rid (2 bytes) + expiry in
+# Redis server time (6 bytes, ms). The router writes them after routing (predict-on-route).
+_PREDICTIONS: Final = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function expiry_of(v, j)
+  local e1, e2, e3, e4, e5, e6 = string.byte(v, j + 2, j + 7)
+  return ((((e1 * 256 + e2) * 256 + e3) * 256 + e4) * 256 + e5) * 256 + e6
+end
+local function pack_expiry(ms)
+  local out = {}
+  for k = 6, 1, -1 do
+    out[k] = string.char(ms % 256)
+    ms = math.floor(ms / 256)
+  end
+  return table.concat(out)
+end
 """
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, n x 8-byte block key]
-# Returns a flat array [replica, matched blocks, matched GPU blocks, ...].
-# Consecutive blocks held by the same replicas carry identical values (Lua strings are
-# interned, so comparing them is O(1)); such runs are counted without re-parsing entries.
-LOOKUP: Final = _BUCKETS + """
-local bprefix, chain = ARGV[1] .. ':b:', ARGV[2]
+# Returns a flat array [replica, matched blocks, matched GPU blocks, predicted blocks, ...].
+# Phase 1 walks real placements. Consecutive blocks held by the same replicas carry identical
+# values (Lua strings are interned, so comparing them is O(1)); such runs are counted without
+# re-parsing entries. Phase 2 starts where no replica still matching holds the next block and
+# extends those replicas (any replica, if nothing matched) with unexpired predictions or late
+# real placements, block by block.
+LOOKUP: Final = (
+    _BUCKETS
+    + _PREDICTIONS
+    + """
+local bprefix, pprefix, chain = ARGV[1] .. ':b:', ARGV[1] .. ':p:', ARGV[2]
 local runs, order, advanced = {}, {}, {}
 local depth, prev, pending = 0, nil, 0
+local i = 1
 local function settle()
   for _, a in ipairs(advanced) do
     a[1][1] = a[1][1] + pending
@@ -90,7 +145,16 @@ local function settle()
   depth = depth + pending
   pending = 0
 end
-for i = 1, #chain - 7, 8 do
+local function run_of(rid)
+  local run = runs[rid]
+  if not run and depth == 0 then
+    run = {0, 0, 0}
+    runs[rid] = run
+    order[#order + 1] = rid
+  end
+  return run
+end
+while i <= #chain - 7 do
   local f = string.sub(chain, i, i + 7)
   local v = redis.call('HGET', block_bucket(bprefix, f), f)
   if not v then break end
@@ -102,34 +166,96 @@ for i = 1, #chain - 7, 8 do
     for j = 1, #v - 1, 2 do
       local b1, b2 = string.byte(v, j, j + 1)
       local t = b2 % 4
-      local rid = b1 * 64 + (b2 - t) / 4
-      local run = runs[rid]
-      if depth == 0 then
-        run = {0, 0}
-        runs[rid] = run
-        order[#order + 1] = rid
-      end
-      if run and run[1] == depth then
-        now[#now + 1] = {run, t % 2 == 1}
-      end
+      local run = run_of(b1 * 64 + (b2 - t) / 4)
+      if run and run[1] == depth then now[#now + 1] = {run, t % 2 == 1} end
     end
     if #now == 0 then break end
     advanced, prev, pending = now, v, 1
   end
+  i = i + 8
 end
 settle()
+local clock = nil
+while i <= #chain - 7 do
+  local f = string.sub(chain, i, i + 7)
+  local moved = false
+  local v = redis.call('HGET', block_bucket(bprefix, f), f)
+  if v then
+    for j = 1, #v - 1, 2 do
+      local b1, b2 = string.byte(v, j, j + 1)
+      local t = b2 % 4
+      local run = run_of(b1 * 64 + (b2 - t) / 4)
+      if run and run[1] == depth then
+        run[1] = depth + 1
+        if t % 2 == 1 then run[2] = run[2] + 1 end
+        moved = true
+      end
+    end
+  end
+  local p = redis.call('HGET', block_bucket(pprefix, f), f)
+  if p then
+    clock = clock or now_ms()
+    for j = 1, #p - 7, 8 do
+      local b1, b2 = string.byte(p, j, j + 1)
+      if expiry_of(p, j) > clock then
+        local run = run_of(b1 * 256 + b2)
+        if run and run[1] == depth then
+          run[1] = depth + 1
+          run[2] = run[2] + 1
+          run[3] = run[3] + 1
+          moved = true
+        end
+      end
+    end
+  end
+  if not moved then break end
+  depth = depth + 1
+  i = i + 8
+end
 if #order == 0 then return {} end
 local names = redis.call('HMGET', KEYS[1], unpack(order))
 local out = {}
 for k, rid in ipairs(order) do
-  if names[k] then
+  if names[k] and runs[rid][1] > 0 then
     out[#out + 1] = names[k]
     out[#out + 1] = runs[rid][1]
     out[#out + 1] = runs[rid][2]
+    out[#out + 1] = runs[rid][3]
   end
 end
 return out
 """
+)
+
+# KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, ttl ms, n x 8-byte block key]
+# Records that replica ``rid`` will hold these blocks until now + ttl (dropping expired
+# entries and its own older entry on the way).
+PREDICT: Final = (
+    _BUCKETS
+    + _PREDICTIONS
+    + """
+local pprefix, rid, ttl, chain = ARGV[1] .. ':p:', tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local clock = now_ms()
+local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock + ttl)
+for i = 1, #chain - 7, 8 do
+  local f = string.sub(chain, i, i + 7)
+  local key = block_bucket(pprefix, f)
+  local v = redis.call('HGET', key, f)
+  local out = {mine}
+  if v then
+    for j = 1, #v - 7, 8 do
+      local b1, b2 = string.byte(v, j, j + 1)
+      if b1 * 256 + b2 ~= rid and expiry_of(v, j) > clock then
+        out[#out + 1] = string.sub(v, j, j + 7)
+      end
+    end
+  end
+  redis.call('HSET', key, f, table.concat(out))
+  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+end
+return #chain / 8
+"""
+)
 
 # KEYS: [rid hash, rname hash, ridseq, free rid set]; ARGV: [replica, max rid]
 # Returns [rid, 1 if newly allocated else 0].

@@ -13,6 +13,7 @@ are idempotent) as soon as Redis answers again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from array import array
@@ -21,12 +22,15 @@ from typing import Any, Final
 
 import msgspec
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from tracker import keys as schema
 from tracker import lua
 from tracker.blocks import Namespace
-from tracker.errors import IndexUnavailableError
+from tracker.errors import ConfigError, IndexUnavailableError
 from tracker.events import EventBatch
 from tracker.index import ApplyResult, Match, ReplicaRecord
 from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
@@ -38,6 +42,14 @@ _TIERS: Final = [bytes((t,)) for t in range(4)]
 _DELETE: Final = b"\x00" * 13
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _record_decoder = msgspec.json.Decoder(ReplicaRecord)
+
+
+def _chain(keys: Sequence[int]) -> bytes:
+    """Block keys as one blob of 8-byte big-endian fields (one script argument)."""
+    chain = array("Q", keys)
+    if _LITTLE_ENDIAN:
+        chain.byteswap()
+    return chain.tobytes()
 
 
 class _Pending:
@@ -66,6 +78,7 @@ class RedisIndex:
         self.client = client
         self._apply = client.register_script(lua.APPLY)
         self._lookup = client.register_script(lua.LOOKUP)
+        self._predict = client.register_script(lua.PREDICT)
         self._rid_script = client.register_script(lua.RID)
         self._release_rid = client.register_script(lua.RELEASE_RID)
         self._heartbeat = client.register_script(lua.HEARTBEAT)
@@ -74,12 +87,21 @@ class RedisIndex:
         self._rids: dict[tuple[str, Namespace], int] = {}
         self._ledgers: dict[tuple[str, Namespace], ReplicaLedger] = {}
         self._pending: dict[tuple[str, Namespace], _Pending] = {}
+        self._locks: dict[tuple[str, Namespace], asyncio.Lock] = {}
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 2.0) -> RedisIndex:
-        client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        )
+        try:
+            client = redis.Redis.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                # One immediate retry on a fresh connection, as pooled connections are stale
+                # after a Redis restart; the index's writes are idempotent, so a replay is safe.
+                retry=Retry(NoBackoff(), 1, (RedisConnectionError,)),
+            )
+        except ValueError as exc:
+            raise ConfigError(f"bad Redis URL {url!r}: {exc}") from None
         return cls(client)
 
     def keys_for(self, namespace: Namespace) -> schema.NamespaceKeys:
@@ -104,7 +126,7 @@ class RedisIndex:
             rid, created = await self._call(
                 "rid",
                 self._rid_script(
-                    keys=[nk.rid, nk.rname, nk.ridseq, f"{nk.tag}:ridfree"],
+                    keys=[nk.rid, nk.rname, nk.ridseq, nk.ridfree],
                     args=[replica, schema.MAX_RID],
                 ),
             )
@@ -136,10 +158,11 @@ class RedisIndex:
         buckets = nk.engine_buckets(rid)
         entries: list[tuple[int, EngineBlock]] = []
         for start in range(0, len(buckets), 128):
-            pipe = self.client.pipeline(transaction=False)
-            for bucket in buckets[start : start + 128]:
-                pipe.hgetall(bucket)
-            for mapping in await self._call("load", pipe.execute()):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for bucket in buckets[start : start + 128]:
+                    pipe.hgetall(bucket)
+                mappings = await self._call("load", pipe.execute())
+            for mapping in mappings:
                 entries.extend(
                     (int.from_bytes(f, "big"), EngineBlock.unpack(v)) for f, v in mapping.items()
                 )
@@ -153,36 +176,75 @@ class RedisIndex:
             )
         return ledger
 
-    async def _flush(self, replica: str, namespace: Namespace) -> None:
-        pending = self._pending.get((replica, namespace))
-        if not pending:
-            return
+    async def _flush(self, replica: str, namespace: Namespace, *, resync: bool = True) -> None:
+        # One flush per replica at a time: a newer state must never be overtaken on the wire
+        # by an older one still in flight.
+        lock = self._locks.setdefault((replica, namespace), asyncio.Lock())
+        async with lock:
+            pending = self._pending.pop((replica, namespace), None)
+            if not pending:
+                return
+            try:
+                statuses = await self._write(replica, namespace, pending)
+            except BaseException:
+                newer = self._pending.get((replica, namespace))
+                if newer is not None:
+                    pending.merge(newer.changes, newer.seq)
+                self._pending[(replica, namespace)] = pending
+                raise
+        if resync and any(int(s) != lua.APPLY_OK for s in statuses):
+            await self._resync(replica, namespace, pending, statuses)
+
+    async def _write(self, replica: str, namespace: Namespace, pending: _Pending) -> list[Any]:
         rid = await self.rid(replica, namespace)
         nk = self.keys_for(namespace)
+        keys = [nk.seq, nk.rid, nk.rname, nk.ridseq, nk.ridfree]
         placements = list(pending.changes.placements.items())
         engine = list(pending.changes.engine.items())
         calls = max(1, -(-max(len(placements), len(engine)) // OPS_PER_CALL))
-        pipe = self.client.pipeline(transaction=True) if calls > 1 else None
+        batches: list[list[Any]] = []
         for call in range(calls):
             window = slice(call * OPS_PER_CALL, (call + 1) * OPS_PER_CALL)
-            args = [
-                replica,
-                pending.seq if call == calls - 1 else "",
-                rid,
-                nk.tag,
-                b"".join(k.to_bytes(8, "big") + _TIERS[t] for k, t in placements[window]),
-                b"".join(
-                    h.to_bytes(8, "big") + (_DELETE if b is None else b"\x01" + b.pack())
-                    for h, b in engine[window]
-                ),
-            ]
-            if pipe is None:
-                await self._call("apply", self._apply(keys=[nk.seq], args=args))
-            else:
-                await self._apply(keys=[nk.seq], args=args, client=pipe)
-        if pipe is not None:
-            await self._call("apply", pipe.execute())
-        del self._pending[(replica, namespace)]
+            batches.append(
+                [
+                    replica,
+                    pending.seq if call == calls - 1 else "",
+                    rid,
+                    nk.tag,
+                    b"".join(k.to_bytes(8, "big") + _TIERS[t] for k, t in placements[window]),
+                    b"".join(
+                        h.to_bytes(8, "big") + (_DELETE if b is None else b"\x01" + b.pack())
+                        for h, b in engine[window]
+                    ),
+                ]
+            )
+        if len(batches) == 1:
+            return [await self._call("apply", self._apply(keys=keys, args=batches[0]))]
+        async with self.client.pipeline(transaction=True) as pipe:
+            for args in batches:
+                await self._apply(keys=keys, args=args, client=pipe)
+            return list(await self._call("apply", pipe.execute()))
+
+    async def _resync(
+        self, replica: str, namespace: Namespace, pending: _Pending, statuses: list[Any]
+    ) -> None:
+        # Redis lost this replica's id mapping, hence (no persistence, failover) its data: the
+        # ledger is the authority, so its whole state is written again under a valid id.
+        if any(int(s) == lua.APPLY_RID_TAKEN for s in statuses):
+            self._rids.pop((replica, namespace), None)
+        ledger = self._ledgers[(replica, namespace)]
+        newer = self._pending.get((replica, namespace))
+        snapshot = _Pending()
+        snapshot.merge(
+            LedgerChanges(dict(ledger.placements()), dict(ledger.engine)),
+            newer.seq if newer is not None and newer.seq else pending.seq,
+        )
+        logger.warning(
+            "replica state missing from redis, rewriting it",
+            extra={"replica": replica, "blocks": len(ledger)},
+        )
+        self._pending[(replica, namespace)] = snapshot
+        await self._flush(replica, namespace, resync=False)
 
     async def _commit(
         self, replica: str, namespace: Namespace, changes: LedgerChanges, seq: str
@@ -224,7 +286,7 @@ class RedisIndex:
         nk = self.keys_for(base)
         await self._call(
             "release",
-            self._release_rid(keys=[nk.rid, nk.rname, f"{nk.tag}:ridfree"], args=[replica]),
+            self._release_rid(keys=[nk.rid, nk.rname, nk.ridfree], args=[replica]),
         )
         self._rids.pop((replica, base), None)
         self._ledgers.pop((replica, base), None)
@@ -242,17 +304,28 @@ class RedisIndex:
         if not keys:
             return {}
         nk = self.keys_for(namespace)
-        chain = array("Q", keys)
-        if _LITTLE_ENDIAN:
-            chain.byteswap()
         reply = await self._call(
-            "lookup", self._lookup(keys=[nk.rname], args=[nk.tag, chain.tobytes()])
+            "lookup", self._lookup(keys=[nk.rname], args=[nk.tag, _chain(keys)])
         )
         out: dict[str, Match] = {}
-        for i in range(0, len(reply), 3):
+        for i in range(0, len(reply), 4):
             name = reply[i].decode()
-            out[name] = Match(name, int(reply[i + 1]), int(reply[i + 2]))
+            out[name] = Match(name, int(reply[i + 1]), int(reply[i + 2]), int(reply[i + 3]))
         return out
+
+    async def predict(
+        self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
+    ) -> None:
+        if not keys:
+            return
+        nk = self.keys_for(namespace)
+        rid = await self.rid(replica, namespace)
+        await self._call(
+            "predict",
+            self._predict(
+                keys=[nk.rname], args=[nk.tag, rid, max(1, int(ttl_s * 1000)), _chain(keys)]
+            ),
+        )
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
         return len(await self._ledger(replica, namespace))
@@ -284,10 +357,10 @@ class RedisIndex:
         return await self._registry_call("list")
 
     async def deregister(self, replica: str) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hdel(schema.REPLICAS, replica)
-        pipe.hdel(schema.REPLICAS_SEEN, replica)
-        await self._call("deregister", pipe.execute())
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hdel(schema.REPLICAS, replica)
+            pipe.hdel(schema.REPLICAS_SEEN, replica)
+            await self._call("deregister", pipe.execute())
 
     async def reap(self) -> list[ReplicaRecord]:
         return await self._registry_call("reap")

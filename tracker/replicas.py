@@ -60,5 +60,12 @@ class ReplicaSpec:
 
 
 def _check_endpoint(endpoint: str, text: str) -> None:
-    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+    scheme, sep, address = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not address:
         raise ConfigError(f"endpoint {endpoint!r} in replica spec {text!r} is not a ZMQ address")
+    if scheme == "tcp":
+        host, colon, port = address.rpartition(":")
+        if not colon or not host or not (port == "*" or (port.isdigit() and 0 < int(port) < 65536)):
+            raise ConfigError(
+                f"endpoint {endpoint!r} in replica spec {text!r} needs a host and a port"
+            )

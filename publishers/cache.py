@@ -1,0 +1,323 @@
+"""The simulated engine's paged KV cache: vLLM v1's block hashes, block pool and prefix cache.
+
+Mirrors ``vllm/v1/core/{kv_cache_utils,block_pool,kv_cache_manager}.py`` for one full-attention
+KV-cache group, including when the KV events are produced (``docs/vllm-kv-events.md`` §4):
+
+* full blocks are keyed by vLLM's ``sha256`` chain, ``h_i = sha256(pickle((h_{i-1} or
+  NONE_HASH, tokens_i, extra_i)))`` with ``NONE_HASH = sha256(pickle(hash_seed))``; events
+  carry the low 64 bits of each digest (these are not kvrouter's own ``tracker.blocks`` keys);
+* blocks are cached (``BlockStored``) when the scheduler allocates the slots that fill them,
+  before the forward pass runs; a free block keeps its hash and stays hittable until it is
+  reused for new data (``BlockRemoved``, one hash per event); the free queue is LRU and a
+  finished request frees its blocks tail first, so leaves are evicted before their parents;
+* nothing is de-duplicated: recomputing a cached hash stores a second physical copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+import msgspec
+
+from tracker.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+KV_CACHE_SPEC_KIND: Final = "full_attention"
+GROUP_IDX: Final = 0
+
+
+def sha256_digest(value: object) -> bytes:
+    """vLLM's ``sha256`` hash function: SHA-256 of the highest-protocol pickle."""
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def none_hash(hash_seed: str) -> bytes:
+    """Parent of every first block, as vLLM derives it from ``PYTHONHASHSEED``."""
+    return sha256_digest(hash_seed)
+
+
+def external_hash(digest: bytes) -> int:
+    """The event form of a digest: its low 64 bits as an unsigned int."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+class CachedBlock(msgspec.Struct, frozen=True):
+    """What a prefix-cache entry holds, in the terms a consumer sees in ``BlockStored``."""
+
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    lora_name: str | None
+    extra_keys: tuple[Any, ...] | None
+
+
+class TokenSequence:
+    """A request's token ids and the chained digests of its full blocks.
+
+    Args:
+        prompt: prompt token ids.
+        block_size: tokens per block.
+        root: ``NONE_HASH`` of the engine (see :func:`none_hash`).
+        lora_name: LoRA adapter; part of every block's extra keys.
+        lora_id: the adapter's engine-local integer id (``BlockStored.lora_id``).
+        cache_salt: part of the first block's extra keys.
+    """
+
+    __slots__ = (
+        "block_hashes",
+        "block_size",
+        "cache_salt",
+        "lora_id",
+        "lora_name",
+        "root",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        *,
+        block_size: int,
+        root: bytes,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.root = root
+        self.lora_name = lora_name
+        self.lora_id = lora_id
+        self.cache_salt = cache_salt
+        self.token_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.extend(prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def extra_keys(self, index: int) -> tuple[Any, ...] | None:
+        """Extra hash inputs of block ``index``: LoRA name, then the cache salt on block 0."""
+        keys: list[Any] = [] if self.lora_name is None else [self.lora_name]
+        if index == 0 and self.cache_salt is not None:
+            keys.append(self.cache_salt)
+        return tuple(keys) if keys else None
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens and hash the blocks they complete."""
+        self.token_ids.extend(tokens)
+        size = self.block_size
+        for i in range(len(self.block_hashes), len(self.token_ids) // size):
+            parent = self.block_hashes[i - 1] if i else self.root
+            chunk = tuple(self.token_ids[i * size : (i + 1) * size])
+            self.block_hashes.append(sha256_digest((parent, chunk, self.extra_keys(i))))
+
+
+class KVBlock:
+    """One physical block: reference count and, while cached, its digest and contents."""
+
+    __slots__ = ("block_id", "digest", "entry", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.digest: bytes | None = None
+        self.entry: CachedBlock | None = None
+
+
+class BlockPool:
+    """Physical blocks, the LRU free queue and the prefix-cache map; queues KV events."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Eviction candidates, least recently freed first (vLLM's FreeKVCacheBlockQueue).
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # digest -> physical copies (block_id -> block), first inserted serves hits
+        self._cached: dict[bytes, dict[int, KVBlock]] = {}
+        self.events: list[Event] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (free cached blocks count as free, like vLLM)."""
+        return 1.0 - len(self._free) / len(self.blocks)
+
+    def lookup(self, digest: bytes) -> KVBlock | None:
+        copies = self._cached.get(digest)
+        return next(iter(copies.values())) if copies else None
+
+    def take_events(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
+
+    def get_new_blocks(self, count: int) -> list[KVBlock]:
+        """Pop ``count`` blocks off the LRU end, evicting their cached hashes."""
+        if count > len(self._free):
+            raise ValueError(f"cannot allocate {count} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(count):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.digest is None:
+            return
+        copies = self._cached[block.digest]
+        del copies[block.block_id]
+        if not copies:
+            del self._cached[block.digest]
+        self.events.append(
+            BlockRemoved(
+                block_hashes=[external_hash(block.digest)], medium=MEDIUM_GPU, group_idx=GROUP_IDX
+            )
+        )
+        block.digest = block.entry = None
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
+        """Drop a reference; blocks reaching zero join the queue in the given order."""
+        for block in ordered:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_full_blocks(
+        self, seq: TokenSequence, blocks: Sequence[KVBlock], num_cached: int, num_full: int
+    ) -> None:
+        """Enter ``blocks[num_cached:num_full]`` into the prefix cache; one ``BlockStored``."""
+        if num_cached >= num_full:
+            return
+        size = self.block_size
+        parent = external_hash(seq.block_hashes[num_cached - 1]) if num_cached else None
+        hashes: list[int] = []
+        extras: list[Any] = []
+        for i in range(num_cached, num_full):
+            block, digest = blocks[i], seq.block_hashes[i]
+            extra = seq.extra_keys(i)
+            block.digest = digest
+            block.entry = CachedBlock(
+                parent_hash=hashes[-1] if hashes else parent,
+                token_ids=tuple(seq.token_ids[i * size : (i + 1) * size]),
+                lora_name=seq.lora_name,
+                extra_keys=extra,
+            )
+            self._cached.setdefault(digest, {})[block.block_id] = block
+            hashes.append(external_hash(digest))
+            extras.append(extra)
+        self.events.append(
+            BlockStored(
+                block_hashes=list(hashes),
+                parent_block_hash=parent,
+                token_ids=seq.token_ids[num_cached * size : num_full * size],
+                block_size=size,
+                lora_id=seq.lora_id,
+                medium=MEDIUM_GPU,
+                lora_name=seq.lora_name,
+                extra_keys=extras,
+                group_idx=GROUP_IDX,
+                kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
+            )
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash if no block is in use; queues ``AllBlocksCleared``."""
+        if len(self._free) != len(self.blocks):
+            return False
+        self._cached.clear()
+        for block in self.blocks:
+            block.digest = block.entry = None
+        self.events.append(AllBlocksCleared())
+        return True
+
+    def cached_blocks(self) -> dict[int, CachedBlock]:
+        """Every entry of the prefix-cache map, keyed by its event hash."""
+        out = {}
+        for digest, copies in self._cached.items():
+            entry = next(iter(copies.values())).entry
+            assert entry is not None
+            out[external_hash(digest)] = entry
+        return out
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Per-request block tables over a :class:`BlockPool` (vLLM's ``KVCacheManager``)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}
+
+    def get_computed_blocks(self, seq: TokenSequence) -> list[KVBlock]:
+        """Longest cached prefix of ``seq``; the last token is always recomputed."""
+        limit = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for digest in seq.block_hashes[:limit]:
+            block = self.pool.lookup(digest)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        seq: TokenSequence,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+    ) -> bool:
+        """Reserve slots for ``num_new_tokens`` after ``num_computed_tokens`` (hits included).
+
+        Returns False, changing nothing, when the free queue is too short; otherwise takes
+        the hits, allocates new blocks (evicting) and caches the blocks this step fills.
+        """
+        blocks = self._blocks.setdefault(request_id, [])
+        wanted = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        new = wanted - len(blocks) - len(new_computed_blocks)
+        evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(new, 0) + evictable > self.pool.num_free:
+            if not blocks:
+                del self._blocks[request_id]
+            return False
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+        self._num_cached.setdefault(request_id, len(blocks))
+        if new > 0:
+            blocks.extend(self.pool.get_new_blocks(new))
+        num_full = min(num_computed_tokens + num_new_tokens, seq.num_tokens) // self.block_size
+        num_cached = self._num_cached[request_id]
+        if num_full > num_cached:
+            self.pool.cache_full_blocks(seq, blocks, num_cached, num_full)
+            self._num_cached[request_id] = num_full
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Release a finished, aborted or preempted request's blocks, tail first."""
+        blocks = self._blocks.pop(request_id, [])
+        self._num_cached.pop(request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def num_blocks(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))

@@ -1,0 +1,205 @@
+"""Settings and commands of the publishers: ``kvrouter replica`` and ``kvrouter attach``.
+
+Registered under the ``kvrouter.commands`` entry point group; the heavy modules are imported
+only when a command runs, so ``kvrouter --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Final
+
+from tracker.cli import Command
+from tracker.config import LogSettings
+from tracker.errors import ConfigError
+from tracker.events import WireEra
+from tracker.settings import setting
+
+_ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+_TCP: Final = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d{1,5})$")
+WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+
+def tcp_parts(endpoint: str, what: str) -> tuple[str, int]:
+    """(host, port) of a ``tcp://host:port`` endpoint, or ConfigError."""
+    match = _TCP.match(endpoint)
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise ConfigError(f"{what}: expected tcp://HOST:PORT, got {endpoint!r}")
+    return match["host"], int(match["port"])
+
+
+def check_port_ranges(ranges: dict[str, tuple[int, int]]) -> None:
+    """Raise ConfigError when two ``name -> (first port, count)`` ranges overlap."""
+    items = sorted(ranges.items(), key=lambda item: item[1][0])
+    for (name_a, (a, n)), (name_b, (b, _)) in itertools.pairwise(items):
+        if b < a + n:
+            raise ConfigError(
+                f"port collision: {name_a} uses {a}..{a + n - 1}, {name_b} starts at {b}"
+            )
+
+
+def _check_id(value: str, what: str) -> None:
+    if not _ID.match(value):
+        raise ConfigError(f"{what}: {value!r} is not a valid replica id")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaSettings(LogSettings):
+    """``kvrouter replica``: simulated vLLM engines with their OpenAI server and KV events."""
+
+    PART = "REPLICA"
+
+    count: int = setting(1, "engines to start; engine i uses every port below + i")
+    id_prefix: str = setting("replica-", "engine ids are <prefix>0 .. <prefix>N-1")
+    host: str = setting("127.0.0.1", "HTTP bind address")
+    port: int = setting(8000, "HTTP port of the first engine")
+    events: str = setting("tcp://*:5557", "ZMQ PUB endpoint of the first engine")
+    replay: str | None = setting(
+        "tcp://*:5558", "ZMQ ROUTER replay endpoint of the first engine; 'none' disables"
+    )
+    topic: str = setting("", "topic frame of every event message (vLLM's default is empty)")
+    era: str = setting("v0.24.0", "vLLM release whose wire format to emit (e.g. v0.11.0)")
+    replay_layout: str = setting("legacy", "replay reply framing", choices=("legacy", "topic"))
+    advertise_host: str | None = setting(
+        None, "host put in registered URLs and endpoints (default: --host, or hostname)"
+    )
+    model: str = setting("default", "served model name")
+    max_model_len: int | None = setting(None, "longest prompt + output (default: cache size)")
+    block_size: int = setting(16, "KV-cache block size in tokens")
+    num_blocks: int = setting(4096, "KV-cache blocks per engine")
+    max_num_batched_tokens: int = setting(8192, "scheduler token budget per step")
+    max_num_seqs: int = setting(256, "most requests running at once")
+    profile: str = setting("llama-8b", "latency profile")
+    floor_ms: float | None = setting(None, "minimum step time in ms (default: the profile's)")
+    time_scale: float = setting(1.0, "multiply every simulated duration (0.01 = 100x faster)")
+    hash_seed: str = setting("0", "PYTHONHASHSEED the block hashes are seeded with, as vLLM")
+    tokenizer: str | None = setting(None, "tokenizer.json or its directory (default: builtin)")
+    chat_template: str | None = setting(
+        None, "chat template (.jinja or tokenizer_config.json); default: the tokenizer's"
+    )
+    redis: str | None = setting(None, "registry Redis URL: register every engine and heartbeat")
+    heartbeat_s: float = setting(5.0, "seconds between registry heartbeats")
+    ttl_s: float = setting(15.0, "registry entries expire this long after the last heartbeat")
+    shutdown_timeout_s: float = setting(5.0, "graceful drain budget for in-flight requests")
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ConfigError("count must be at least 1")
+        if self.replay is not None and self.replay.strip().lower() in ("", "none", "off"):
+            object.__setattr__(self, "replay", None)
+        for i in range(self.count):
+            _check_id(f"{self.id_prefix}{i}", "id-prefix")
+        if not (self.port > 0 and self.port + self.count <= 65536):
+            raise ConfigError(f"port: {self.port} + count does not fit in 1..65535")
+        ranges = {"http ports": (self.port, self.count)}
+        ranges["event ports"] = (tcp_parts(self.events, "events")[1], self.count)
+        if self.replay is not None:
+            ranges["replay ports"] = (tcp_parts(self.replay, "replay")[1], self.count)
+        # HTTP is TCP too, but only a clash between the two ZMQ ranges is likely by default
+        check_port_ranges(ranges)
+        if self.block_size <= 0 or self.num_blocks <= 0:
+            raise ConfigError("block-size and num-blocks must be positive")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError("max-model-len must be positive")
+        if self.time_scale <= 0:
+            raise ConfigError("time-scale must be positive")
+        if not 0 < self.heartbeat_s * 2 <= self.ttl_s:
+            raise ConfigError("heartbeat-s must be positive and at most half of ttl-s")
+        WireEra.for_release(self.era)
+
+    @property
+    def wire_era(self) -> WireEra:
+        return WireEra.for_release(self.era)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttachSettings(LogSettings):
+    """``kvrouter attach``: register a real vLLM server in the registry while it is healthy.
+
+    The same fields, read from ``KVROUTER_ATTACH_*``, configure the vLLM general plugin.
+    """
+
+    PART = "ATTACH"
+
+    redis: str | None = setting(None, "registry Redis URL")
+    id: str | None = setting(None, "replica id to register")
+    url: str | None = setting(None, "the vLLM server's base URL, e.g. http://host:8000")
+    events: str = setting("tcp://127.0.0.1:5557", "where consumers connect to vLLM's PUB socket")
+    replay: str | None = setting(
+        "tcp://127.0.0.1:5558", "where consumers reach vLLM's replay socket; 'none' if off"
+    )
+    topic: str = setting("", "the kv-events-config topic")
+    model: str = setting("default", "served model name (vLLM's --served-model-name)")
+    block_size: int = setting(16, "vLLM's --block-size")
+    data_parallel_size: int = setting(1, "vLLM's --data-parallel-size")
+    data_parallel_rank: int = setting(
+        0, "this server's rank with external DP load balancing (its ports are base + rank)"
+    )
+    hash_seed: str = setting("0", "the PYTHONHASHSEED vLLM must run with")
+    heartbeat_s: float = setting(5.0, "seconds between heartbeats (and health probes)")
+    ttl_s: float = setting(15.0, "registry entries expire this long after the last heartbeat")
+    health_timeout_s: float = setting(2.0, "timeout of each GET /health")
+    down_after: int = setting(3, "failed health probes in a row before deregistering")
+    print_flags: bool = setting(False, "print the vLLM launch line for these settings and exit")
+
+    def __post_init__(self) -> None:
+        if self.replay is not None and self.replay.strip().lower() in ("", "none", "off"):
+            object.__setattr__(self, "replay", None)
+        if self.block_size <= 0:
+            raise ConfigError("block-size must be positive")
+        if not 0 <= self.data_parallel_rank < max(self.data_parallel_size, 1):
+            raise ConfigError("data-parallel-rank must be in [0, data-parallel-size)")
+        if not 0 < self.heartbeat_s * 2 <= self.ttl_s:
+            raise ConfigError("heartbeat-s must be positive and at most half of ttl-s")
+        endpoints = {"events": self.events} | ({"replay": self.replay} if self.replay else {})
+        ranges = {}
+        for name, endpoint in endpoints.items():
+            if endpoint.startswith("ipc://"):
+                if self.data_parallel_size > 1:
+                    raise ConfigError(f"{name}: vLLM rejects ipc:// endpoints with DP > 1")
+                continue
+            host, port = tcp_parts(endpoint, name)
+            if host in WILDCARD_HOSTS:
+                raise ConfigError(
+                    f"{name}: {endpoint!r} is a bind address; give the host consumers connect to"
+                )
+            ranges[f"{name} ports"] = (port, self.data_parallel_size)
+        check_port_ranges(ranges)
+
+    def require_attach(self) -> None:
+        """The fields ``attach`` (not ``--print-flags``) needs."""
+        for name in ("redis", "id", "url"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name} is required (--{name} or {self.env_name(name)})")
+        assert self.id is not None and self.url is not None
+        _check_id(self.id, "id")
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"url must be http(s), got {self.url!r}")
+
+
+def _run_replica(settings: ReplicaSettings) -> int:
+    from publishers.fleet import run  # noqa: PLC0415 - keep `kvrouter --help` light
+
+    return run(settings)
+
+
+def _run_attach(settings: AttachSettings) -> int:
+    from publishers.vllm import run  # noqa: PLC0415
+
+    return run(settings)
+
+
+REPLICA = Command(
+    "replica",
+    "run simulated vLLM engines: OpenAI server, KV events, registry heartbeats",
+    ReplicaSettings,
+    _run_replica,
+)
+ATTACH = Command(
+    "attach",
+    "register a real vLLM server in the registry while its /health answers",
+    AttachSettings,
+    _run_attach,
+)

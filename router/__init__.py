@@ -1,0 +1,1 @@
+"""kvrouter's OpenAI-compatible router: policy, load sharing, estimates, tokenization."""

@@ -1,0 +1,435 @@
+"""In-flight load per replica, shared by every router instance through expiring Redis entries.
+
+A :class:`Lease` is one dispatched request: it counts one request in flight, and its uncached
+prompt tokens as queued prefill work until :meth:`Lease.first_token`; nothing after
+:meth:`Lease.release`. Boards add leases up per (index partition, replica).
+
+:class:`RedisLoadBoard` shares the totals: each router writes *its own* absolute totals into
+the partition's ``load`` hash (:attr:`tracker.keys.NamespaceKeys.load`), field
+``<replica> NUL <router id>``, value ``struct.pack('<ddd', inflight, tokens, expiry_ms)``
+with the expiry computed from Redis ``TIME`` inside the script, so router clocks never
+matter. A change is pushed at once by a single coalescing background task (the request path
+never waits for Redis); a renew loop rewrites every non-zero total each ``renew_interval_s``.
+A snapshot is one script call that sums the other routers' unexpired entries (pruning expired
+ones) and adds this router's exact local totals. A router that dies leaks nothing: its
+entries expire ``lease_ttl_s`` after its last renewal; :meth:`RedisLoadBoard.stop` deletes
+them at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Final, Protocol
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from tracker.blocks import Namespace
+from tracker.errors import IndexUnavailableError
+from tracker.keys import NamespaceKeys
+
+logger = logging.getLogger(__name__)
+
+# KEYS: [load hash]; ARGV: [router id, ttl ms, then (replica, inflight, tokens) triples].
+# A zero total deletes the field. The hash itself expires 2 ttl after the last write, so a
+# partition whose routers all died disappears even if nobody reads it again.
+PUT: Final = """
+local t = redis.call('TIME')
+local ttl = tonumber(ARGV[2])
+local expiry = t[1] * 1000 + math.floor(t[2] / 1000) + ttl
+local written = 0
+for i = 3, #ARGV - 2, 3 do
+  local field = ARGV[i] .. '\\0' .. ARGV[1]
+  local n, q = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  if n == 0 and q == 0 then
+    redis.call('HDEL', KEYS[1], field)
+  else
+    redis.call('HSET', KEYS[1], field, struct.pack('<ddd', n, q, expiry))
+    written = written + 1
+  end
+end
+if written > 0 and redis.call('PTTL', KEYS[1]) < 2 * ttl then
+  redis.call('PEXPIRE', KEYS[1], 2 * ttl)
+end
+return written
+"""
+
+# KEYS: [load hash]; ARGV: [router id whose entries to skip].
+# Returns [replica, inflight, tokens, ...] summed over the other routers' live entries.
+SNAPSHOT: Final = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local all = redis.call('HGETALL', KEYS[1])
+local sums, order, dead = {}, {}, {}
+for i = 1, #all, 2 do
+  local field, value = all[i], all[i + 1]
+  local replica, router = string.match(field, '^(.*)%z(.-)$')
+  if replica == nil or #value ~= 24 then
+    dead[#dead + 1] = field
+  else
+    local n, q, expiry = struct.unpack('<ddd', value)
+    if expiry <= now then
+      dead[#dead + 1] = field
+    elseif router ~= ARGV[1] then
+      local s = sums[replica]
+      if not s then
+        s = {0, 0}
+        sums[replica] = s
+        order[#order + 1] = replica
+      end
+      s[1] = s[1] + n
+      s[2] = s[2] + q
+    end
+  end
+end
+for i = 1, #dead, 1000 do
+  redis.call('HDEL', KEYS[1], unpack(dead, i, math.min(i + 999, #dead)))
+end
+local out = {}
+for _, replica in ipairs(order) do
+  out[#out + 1] = replica
+  out[#out + 1] = sums[replica][1]
+  out[#out + 1] = sums[replica][2]
+end
+return out
+"""
+
+_Key = tuple[Namespace, str]
+
+
+def new_router_id() -> str:
+    """A router id unique to this process: host, pid and a random suffix."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A replica's load: requests in flight, and prefill tokens not yet past first token."""
+
+    inflight: int = 0
+    queued_prefill_tokens: int = 0
+
+
+class Lease:
+    """One dispatched request's share of a replica's load; a context manager that releases."""
+
+    __slots__ = (
+        "_board",
+        "_prefilling",
+        "_released",
+        "namespace",
+        "prefill_tokens",
+        "replica",
+        "started",
+    )
+
+    def __init__(
+        self, board: _Totals, namespace: Namespace, replica: str, prefill_tokens: int
+    ) -> None:
+        self._board = board
+        self.namespace = namespace
+        self.replica = replica
+        self.prefill_tokens = prefill_tokens
+        self.started = time.monotonic()
+        self._prefilling = True
+        self._released = False
+
+    @property
+    def prefilling(self) -> bool:
+        """True until the first token (or the release)."""
+        return self._prefilling
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def first_token(self) -> None:
+        """The request's prefill is done: stop counting its tokens (idempotent)."""
+        if self._prefilling and not self._released:
+            self._prefilling = False
+            self._board._adjust(self.namespace, self.replica, 0, -self.prefill_tokens)
+
+    def release(self) -> None:
+        """The request finished, failed or was cancelled (idempotent)."""
+        if self._released:
+            return
+        tokens = self.prefill_tokens if self._prefilling else 0
+        self._released = True
+        self._prefilling = False
+        self._board._adjust(self.namespace, self.replica, -1, -tokens)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class LoadBoard(Protocol):
+    """Where routers record what they dispatched and read what every router dispatched."""
+
+    def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
+        """Count a request just sent to ``replica`` with ``prefill_tokens`` uncached tokens."""
+
+    async def snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        """Every router's load per replica (replicas without load are absent)."""
+
+    def local_snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        """This router's own load per replica; never fails."""
+
+    async def start(self) -> None:
+        """Start background work."""
+
+    async def stop(self) -> None:
+        """Stop background work and withdraw this router's load."""
+
+
+class _Totals:
+    """This process's load per (partition, replica), kept exact by its leases."""
+
+    def __init__(self) -> None:
+        self._totals: dict[Namespace, dict[str, list[int]]] = {}
+
+    def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
+        """Count a request just sent to ``replica``; release the returned lease when done.
+
+        :param prefill_tokens: the request's uncached prompt tokens (its prefill work).
+        """
+        if prefill_tokens < 0:
+            raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
+        base = namespace.base()
+        self._adjust(base, replica, 1, prefill_tokens)
+        return Lease(self, base, replica, prefill_tokens)
+
+    def _adjust(self, namespace: Namespace, replica: str, inflight: int, tokens: int) -> None:
+        per = self._totals.setdefault(namespace, {})
+        total = per.get(replica)
+        if total is None:
+            total = per[replica] = [0, 0]
+        total[0] += inflight
+        total[1] += tokens
+        if total[0] == 0 and total[1] == 0:
+            del per[replica]
+        self._changed(namespace, replica)
+
+    def _changed(self, namespace: Namespace, replica: str) -> None:
+        """Hook: the total of (namespace, replica) changed."""
+
+    def _total(self, key: _Key) -> tuple[int, int]:
+        total = self._totals.get(key[0], {}).get(key[1])
+        return (total[0], total[1]) if total is not None else (0, 0)
+
+    def local_snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        """This router's own load per replica; never fails."""
+        per = self._totals.get(namespace.base(), {})
+        return {replica: Load(n, q) for replica, (n, q) in per.items()}
+
+
+class LocalLoadBoard(_Totals):
+    """In-process load only: a single router, or the embedded mode."""
+
+    async def snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        return self.local_snapshot(namespace)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class LoadBoardStats:
+    """Counters of a :class:`RedisLoadBoard`, for metrics."""
+
+    pushes: int = 0
+    push_errors: int = 0
+    snapshots: int = 0
+    snapshot_errors: int = 0
+
+
+class RedisLoadBoard(_Totals):
+    """Load shared by every router through one expiring hash per index partition.
+
+    The owner calls :meth:`start` (renewal: without it, requests that outlive
+    ``lease_ttl_s`` vanish from other routers' view) and :meth:`stop` on shutdown.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        router_id: str,
+        *,
+        lease_ttl_s: float = 5.0,
+        renew_interval_s: float = 1.0,
+    ) -> None:
+        """Share load through ``client``.
+
+        :param client: used, not owned: the caller closes it. Give it a socket timeout, or
+            a black-holed Redis stalls the (background) pushes.
+        :param router_id: unique per router process (see :func:`new_router_id`).
+        :param lease_ttl_s: how long this router's entries outlive its last renewal.
+        :param renew_interval_s: how often non-zero entries are rewritten (< ``lease_ttl_s``).
+        """
+        super().__init__()
+        if not router_id or "\x00" in router_id:
+            raise ValueError("router_id must be a non-empty string without NUL characters")
+        if not 0 < renew_interval_s < lease_ttl_s:
+            raise ValueError("need 0 < renew_interval_s < lease_ttl_s")
+        self.client = client
+        self.router_id = router_id
+        self.lease_ttl_s = lease_ttl_s
+        self.renew_interval_s = renew_interval_s
+        self.stats = LoadBoardStats()
+        self._put = client.register_script(PUT)
+        self._snapshot = client.register_script(SNAPSHOT)
+        self._keys: dict[Namespace, str] = {}
+        self._dirty: set[_Key] = set()
+        self._written: set[_Key] = set()
+        self._pusher: asyncio.Task[None] | None = None
+        self._renewer: asyncio.Task[None] | None = None
+        self._failing = False
+        self._stopped = False
+
+    def _key(self, namespace: Namespace) -> str:
+        key = self._keys.get(namespace)
+        if key is None:
+            key = self._keys[namespace] = NamespaceKeys(namespace).load
+        return key
+
+    def _changed(self, namespace: Namespace, replica: str) -> None:
+        self._dirty.add((namespace, replica))
+        self._kick()
+
+    def _kick(self) -> None:
+        """Make sure the one pusher task runs; it writes whatever is dirty, in order."""
+        if self._stopped or (self._pusher is not None and not self._pusher.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a caller outside the loop: the renew loop pushes it
+            return
+        self._pusher = loop.create_task(self._push_dirty(), name="kvrouter-load-push")
+
+    async def _push_dirty(self) -> None:
+        while self._dirty and not self._stopped:
+            batch, self._dirty = self._dirty, set()
+            if not await self._push(batch):
+                return  # the renew loop retries
+
+    async def _push(self, batch: set[_Key]) -> bool:
+        """Write the current totals of ``batch``; on failure they stay dirty."""
+        by_key: dict[str, list[str | int]] = {}
+        for key in batch:
+            inflight, tokens = self._total(key)
+            by_key.setdefault(self._key(key[0]), []).extend((key[1], inflight, tokens))
+        ttl_ms = max(1, round(self.lease_ttl_s * 1000))
+        try:
+            if len(by_key) == 1:
+                [(name, args)] = by_key.items()
+                await self._put(keys=[name], args=[self.router_id, ttl_ms, *args])
+            else:
+                pipe = self.client.pipeline(transaction=False)
+                for name, args in by_key.items():
+                    await self._put(keys=[name], args=[self.router_id, ttl_ms, *args], client=pipe)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._dirty |= batch
+            self.stats.push_errors += 1
+            if not self._failing:
+                self._failing = True
+                logger.error("cannot publish router load to redis: %s", exc)
+            return False
+        self._written |= batch
+        self.stats.pushes += 1
+        if self._failing:
+            self._failing = False
+            logger.info("publishing router load to redis again")
+        return True
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.renew_interval_s)
+            for namespace, per in self._totals.items():
+                self._dirty.update((namespace, replica) for replica in per)
+            if self._dirty:
+                self._kick()
+
+    async def start(self) -> None:
+        """Start the renew loop (idempotent)."""
+        self._stopped = False
+        if self._renewer is None or self._renewer.done():
+            loop = asyncio.get_running_loop()
+            self._renewer = loop.create_task(self._renew(), name="kvrouter-load-renew")
+        if self._dirty:
+            self._kick()
+
+    def abandon(self) -> None:
+        """Stop renewing without withdrawing anything, as a crashed router would (drills)."""
+        self._stopped = True
+        for task in (self._renewer, self._pusher):
+            if task is not None:
+                task.cancel()
+
+    async def stop(self, *, timeout_s: float = 1.0) -> None:
+        """Stop renewing, let a push in flight finish, and delete this router's entries."""
+        self._stopped = True
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.cancel()
+            await asyncio.gather(renewer, return_exceptions=True)
+        pusher, self._pusher = self._pusher, None
+        if pusher is not None:
+            _, pending = await asyncio.wait({pusher}, timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(pusher, return_exceptions=True)
+        fields: dict[str, list[str]] = {}
+        for namespace, replica in self._written:
+            fields.setdefault(self._key(namespace), []).append(f"{replica}\x00{self.router_id}")
+        if not fields:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for name, names in fields.items():
+                pipe.hdel(name, *names)
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            logger.warning("cannot withdraw router load from redis (it expires anyway): %s", exc)
+            return
+        self._written.clear()
+
+    async def snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        """Every router's load: the others' live entries from Redis plus this router's own.
+
+        :raises IndexUnavailableError: Redis cannot be reached; :meth:`local_snapshot` can.
+        """
+        base = namespace.base()
+        try:
+            reply = await self._snapshot(keys=[self._key(base)], args=[self.router_id])
+        except (RedisError, OSError) as exc:
+            self.stats.snapshot_errors += 1
+            raise IndexUnavailableError(f"redis load snapshot failed: {exc}") from exc
+        self.stats.snapshots += 1
+        out = self.local_snapshot(base)
+        for i in range(0, len(reply) - 2, 3):
+            raw = reply[i]
+            replica = raw.decode() if isinstance(raw, bytes) else str(raw)
+            mine = out.get(replica, Load())
+            out[replica] = Load(
+                mine.inflight + int(reply[i + 1]),
+                mine.queued_prefill_tokens + int(reply[i + 2]),
+            )
+        return out

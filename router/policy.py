@@ -1,0 +1,262 @@
+"""Routing policy: pick the replica with the lowest expected time to first token; pure, no I/O.
+
+Expected TTFT model (``mode="ttft"``, the default)
+---------------------------------------------------
+
+For a prompt of ``P`` tokens, a replica whose cached chain covers ``matched_blocks`` blocks of
+``B`` tokens (``matched_gpu_blocks`` of them in GPU memory, the rest in an offload tier) and
+whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
+
+    usable     = min(matched_blocks, (P - 1) // B)    # vLLM recomputes at least the last token
+    gpu        = min(matched_gpu_blocks, usable) * B  # and reuses full blocks only
+    offload    = usable * B - gpu
+    uncached   = P - usable * B
+    unseen     = max(0, engine_waiting - inflight)    # waiting requests no router sent
+    pressure   = max(0, kv_usage - kv_high_watermark) / (1 - kv_high_watermark)
+    queue_ms   = s * (queued_prefill_tokens + unseen * unseen_request_tokens)
+                 + decode_ms_per_request * max(inflight, engine_running + engine_waiting)
+                 + kv_full_penalty_ms * pressure
+    prefill_ms = f + s * (uncached + offload_hit_cost * offload)
+    expected_ttft_ms = queue_ms + prefill_ms;   score = -expected_ttft_ms
+
+``queued_prefill_tokens`` is the uncached prompt work of requests every router has sent to
+the replica that have not produced their first token yet (:mod:`router.load`), so a queue and
+a cache miss are priced in the same unit: milliseconds of prefill. The engine's own
+``/metrics`` (possibly stale, possibly absent) only add what the routers cannot know:
+requests from other clients, decode batch pressure, a full KV cache.
+
+Defaults and where they come from:
+
+* ``s = 0.032 ms/token``, ``f = 25 ms`` (:data:`DEFAULT_SPEED`): Llama-3.1-8B, bf16, one
+  H200 (``../shared/calibration/h200-prefill.json``). A cold prefill costs 0.030-0.036 ms
+  per token from 1k to 16k tokens (compute-bound: 4 prompts in one batch take 4x as long),
+  and a hit that leaves 32-128 tokens to prefill costs 23-38 ms whatever the cached length.
+  That floor includes HF eager-mode overhead; vLLM with CUDA graphs is faster, and HTTP and
+  scheduling add their own. These are only seeds: :mod:`router.estimator` learns ``f`` and
+  ``s`` per replica from the TTFTs the router observes: within a few dozen requests when
+  the seed has the right order of magnitude, a few hundred when it is 8x off (Llama-70B is
+  ~0.25 ms/token on one H200-equivalent; seed such fleets from configuration).
+* ``offload_hit_cost = 0.3``: loading Llama-8B's 128 KiB/token of KV over a ~50 GB/s host
+  link is ~0.003 ms/token (10 % of recomputing it); 0.3 leaves room for the offload
+  connector's scheduling latency. Dynamo credits host-tier hits 0.75 (cost 0.25), llm-d 0.8.
+* ``unseen_request_tokens = 1024``: the prefill we assume for a waiting request that no
+  router sent (a typical chat prompt).
+* ``decode_ms_per_request = 0.05``: every running sequence adds its KV read to each engine
+  step; for Llama-8B at 2k context that is 256 MiB, ~0.05 ms of H200 bandwidth. Small next
+  to a prefill, it breaks near-ties towards the replica with the smaller batch.
+* ``kv_high_watermark = 0.9``, ``kv_full_penalty_ms = 250``: above 90 % KV usage vLLM starts
+  to preempt and stops admitting; the penalty grows linearly to 250 ms at 100 %.
+* ``tie_epsilon_ms = 1``: candidates within 1 ms of the best are a tie (below the
+  estimator's noise); one is picked at random. ``temperature > 0`` instead samples with
+  probability ``exp((score - best) / temperature)`` (temperature in ms).
+
+Linear mode (``mode="linear"``)
+-------------------------------
+
+The issue card's form ``score = hit_weight * matched - load_weight * inflight`` where
+``matched = gpu_blocks + (1 - offload_hit_cost) * offload_blocks`` (usable blocks only).
+It is unitless (one request in flight cancels ``load_weight / hit_weight`` cached blocks,
+whatever the block size, model or GPU) and needs tuning per fleet; kept for comparison and
+A/B runs. Only exact ties are broken at random. The TTFT estimate is still computed for
+every candidate, for logs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+Mode = Literal["ttft", "linear"]
+_LINEAR_TIE: Final = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedEstimate:
+    """A replica's prefill speed: fixed cost per prefill plus cost per uncached token."""
+
+    floor_ms: float
+    prefill_ms_per_token: float
+
+    def prefill_ms(self, tokens: float) -> float:
+        """Expected time to prefill ``tokens`` uncached tokens in one request."""
+        return self.floor_ms + self.prefill_ms_per_token * tokens
+
+
+DEFAULT_SPEED: Final = SpeedEstimate(floor_ms=25.0, prefill_ms_per_token=0.032)
+"""Llama-3.1-8B on one H200 (see the module docstring); a seed, refined online."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """What the policy knows about one candidate replica for one request.
+
+    :param matched_blocks: length of the replica's contiguous cached run of the prompt's
+        block chain; ``matched_gpu_blocks`` of those are in GPU memory.
+    :param inflight: requests in flight on this replica, summed over every router.
+    :param queued_prefill_tokens: uncached prompt tokens of in-flight requests that have not
+        produced their first token yet, summed over every router.
+    :param engine_waiting: / :param engine_running: / :param kv_usage: the replica's own
+        vLLM ``/metrics`` (``num_requests_waiting``, ``num_requests_running``,
+        ``kv_cache_usage_perc`` in 0..1); None when unknown.
+    :param speed: the replica's prefill speed estimate.
+    """
+
+    id: str
+    matched_blocks: int = 0
+    matched_gpu_blocks: int = 0
+    inflight: int = 0
+    queued_prefill_tokens: int = 0
+    engine_waiting: int | None = None
+    engine_running: int | None = None
+    kv_usage: float | None = None
+    speed: SpeedEstimate = DEFAULT_SPEED
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Policy parameters; defaults and their sources are in the module docstring."""
+
+    mode: Mode = "ttft"
+    block_size: int = 16
+    hit_weight: float = 1.0
+    load_weight: float = 1.0
+    offload_hit_cost: float = 0.3
+    temperature: float = 0.0
+    tie_epsilon_ms: float = 1.0
+    unseen_request_tokens: int = 1024
+    decode_ms_per_request: float = 0.05
+    kv_high_watermark: float = 0.9
+    kv_full_penalty_ms: float = 250.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("ttft", "linear"):
+            raise ValueError(f"mode must be 'ttft' or 'linear', got {self.mode!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not 0.0 <= self.offload_hit_cost <= 1.0:
+            raise ValueError(f"offload_hit_cost must be in [0, 1], got {self.offload_hit_cost}")
+        if not 0.0 <= self.kv_high_watermark < 1.0:
+            raise ValueError(f"kv_high_watermark must be in [0, 1), got {self.kv_high_watermark}")
+        for name in (
+            "temperature",
+            "tie_epsilon_ms",
+            "unseen_request_tokens",
+            "decode_ms_per_request",
+            "kv_full_penalty_ms",
+        ):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """One candidate's score with its breakdown (for logs, metrics and a dry-run endpoint).
+
+    ``work_tokens`` is the prefill work ahead of the request's first token in token units
+    (queued + unseen + uncached + offload-weighted cached): what
+    :meth:`router.estimator.SpeedBook.observe` wants next to the measured TTFT.
+    """
+
+    replica: str
+    matched_tokens: int
+    gpu_cached_tokens: int
+    offload_cached_tokens: int
+    uncached_tokens: int
+    queue_ms: float
+    prefill_ms: float
+    expected_ttft_ms: float
+    score: float
+    work_tokens: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen replica and every candidate's score, in candidate order."""
+
+    replica: str
+    scores: tuple[Score, ...]
+    mode: str
+
+    @property
+    def chosen(self) -> Score:
+        return next(s for s in self.scores if s.replica == self.replica)
+
+
+def score_replica(prompt_tokens: int, state: ReplicaState, config: PolicyConfig) -> Score:
+    """Expected TTFT and score of sending a ``prompt_tokens``-token prompt to ``state``."""
+    size = config.block_size
+    usable = max(0, min(state.matched_blocks, (prompt_tokens - 1) // size))
+    gpu = max(0, min(state.matched_gpu_blocks, usable)) * size
+    offload = usable * size - gpu
+    uncached = max(0, prompt_tokens - usable * size)
+    speed = state.speed
+
+    waiting = state.engine_waiting or 0
+    unseen = max(0, waiting - state.inflight) * config.unseen_request_tokens
+    queued = max(0, state.queued_prefill_tokens) + unseen
+    active = max(state.inflight, (state.engine_running or 0) + waiting)
+    queue_ms = speed.prefill_ms_per_token * queued + config.decode_ms_per_request * active
+    if state.kv_usage is not None and state.kv_usage > config.kv_high_watermark:
+        excess = min(state.kv_usage, 1.0) - config.kv_high_watermark
+        queue_ms += config.kv_full_penalty_ms * excess / (1.0 - config.kv_high_watermark)
+
+    own_work = uncached + config.offload_hit_cost * offload
+    prefill_ms = speed.prefill_ms(own_work)
+    ttft = queue_ms + prefill_ms
+    if config.mode == "ttft":
+        value = -ttft
+    else:
+        matched = (gpu + (1.0 - config.offload_hit_cost) * offload) / size
+        value = config.hit_weight * matched - config.load_weight * state.inflight
+    return Score(
+        replica=state.id,
+        matched_tokens=usable * size,
+        gpu_cached_tokens=gpu,
+        offload_cached_tokens=offload,
+        uncached_tokens=uncached,
+        queue_ms=queue_ms,
+        prefill_ms=prefill_ms,
+        expected_ttft_ms=ttft,
+        score=value,
+        work_tokens=queued + own_work,
+    )
+
+
+def decide(
+    prompt_tokens: int,
+    candidates: Sequence[ReplicaState],
+    config: PolicyConfig,
+    rng: random.Random,
+) -> Decision:
+    """Score every candidate and pick one (best score; random among ties; or softmax).
+
+    :raises ValueError: if there are no candidates.
+    """
+    if not candidates:
+        raise ValueError("no candidate replicas to choose from")
+    scores = tuple(score_replica(prompt_tokens, state, config) for state in candidates)
+    values = [s.score for s in scores]
+    if config.temperature > 0:
+        index = _sample(values, config.temperature, rng)
+    else:
+        epsilon = config.tie_epsilon_ms if config.mode == "ttft" else _LINEAR_TIE
+        best = max(values)
+        tied = [i for i, v in enumerate(values) if v >= best - epsilon]
+        index = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
+    return Decision(scores[index].replica, scores, config.mode)
+
+
+def _sample(values: Sequence[float], temperature: float, rng: random.Random) -> int:
+    """Index drawn with probability proportional to ``exp((value - max) / temperature)``."""
+    best = max(values)
+    weights = [math.exp((v - best) / temperature) for v in values]
+    point = rng.random() * sum(weights)
+    for i, weight in enumerate(weights):
+        point -= weight
+        if point < 0:
+            return i
+    return max(range(len(values)), key=values.__getitem__)

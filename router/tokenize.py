@@ -1,0 +1,278 @@
+"""Prompt token ids for routing: tokenization off the event loop, with a cache of segments.
+
+A tokenizer encodes the pieces of its input between added tokens independently
+(:mod:`router.segments`), so a rendered chat prompt is a sequence of pieces: one per
+message part between the template's special tokens. :class:`PromptTokenizer` renders the
+template (cheap), splits the text exactly as the tokenizer does, looks every piece up in a
+bounded LRU keyed by its xxh3-128 hash, encodes only the misses (one ``encode_batch`` call
+in a worker thread, which releases the GIL; concurrent requests needing the same piece share
+that call), and assembles. A repeated system prompt or conversation history costs a hash
+and a lookup instead of ~1 us per token. Where the split is not provably exact the whole
+text is encoded as one piece, still cached by its hash. ``tests/router/test_tokenize.py``
+proves equality with ``Tokenizer.chat_token_ids`` / ``prompt_token_ids`` by property tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final
+
+import xxhash
+
+from router.segments import plan_segments, split_pieces
+from tracker.tokens import Message, TokenizationError, Tokenizer
+
+_ENTRY_OVERHEAD: Final = 32  # tokens' worth (4 bytes each) of dict entry, key and array header
+_PIECE_SEED: Final = 0  # a piece encoded without special tokens
+_WHOLE_SEED: Final = 1  # a whole prompt encoded with special tokens
+
+
+class _SegmentCache:
+    """Bounded LRU of token id arrays by 128-bit content hash; thread-safe."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.evictions = 0
+        self._entries: OrderedDict[int, array[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: int) -> array[int] | None:
+        with self._lock:
+            ids = self._entries.get(key)
+            if ids is not None:
+                self._entries.move_to_end(key)
+            return ids
+
+    def put(self, items: Iterable[tuple[int, array[int]]]) -> None:
+        with self._lock:
+            for key, ids in items:
+                cost = len(ids) + _ENTRY_OVERHEAD
+                if cost > self.max_tokens or key in self._entries:
+                    continue
+                self._entries[key] = ids
+                self.tokens += cost
+            while self.tokens > self.max_tokens:
+                _, old = self._entries.popitem(last=False)
+                self.tokens -= len(old) + _ENTRY_OVERHEAD
+                self.evictions += 1
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerStats:
+    """Counters of a :class:`PromptTokenizer` (pieces and tokens), for metrics."""
+
+    hits: int
+    misses: int
+    shared: int
+    hit_tokens: int
+    miss_tokens: int
+    entries: int
+    cached_tokens: int
+    evictions: int
+    segmented: bool
+
+
+# A request's pieces in order: ids already known, or the cache key of a miss to resolve.
+_Parts = list["array[int] | int"]
+
+
+class PromptTokenizer:
+    """Engine token ids of chat and completion requests, cached per segment, off the loop.
+
+    The async methods never tokenize on the event loop; the ``*_sync`` twins run in the
+    calling thread (benchmarks, tests). Results equal ``tokenizer.chat_token_ids`` and
+    ``tokenizer.prompt_token_ids`` exactly.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        cache_tokens: int = 4_000_000,
+        executor: Executor | None = None,
+    ) -> None:
+        """:param cache_tokens: cache bound in token ids (4 bytes each, ~32 per entry extra).
+        :param executor: where misses are encoded (default: the loop's default executor).
+        """
+        if cache_tokens < 0:
+            raise ValueError(f"cache_tokens must be >= 0, got {cache_tokens}")
+        self.tokenizer = tokenizer
+        self._hf = tokenizer.hf
+        # tracker.tokens gives some tokenizers (the builtin) a faster exact encoder than the
+        # HF pipeline; Tokenizer.encode uses it, and so do we when it is there.
+        self._fast = getattr(tokenizer, "_fast_encode", None) is not None
+        self.plan = plan_segments(self._hf)
+        self._added = {i: array("I", [i]) for i in self.plan.added.values()}
+        self._cache = _SegmentCache(cache_tokens)
+        self._executor = executor
+        self._pending: dict[int, tuple[asyncio.Future[list[array[int]]], int]] = {}
+        self._hits = self._misses = self._shared = self._hit_tokens = self._miss_tokens = 0
+
+    @property
+    def segmented(self) -> bool:
+        """True when chat prompts are split and cached per segment."""
+        return self.plan.splitter is not None
+
+    @property
+    def stats(self) -> TokenizerStats:
+        return TokenizerStats(
+            hits=self._hits,
+            misses=self._misses,
+            shared=self._shared,
+            hit_tokens=self._hit_tokens,
+            miss_tokens=self._miss_tokens,
+            entries=len(self._cache),
+            cached_tokens=self._cache.tokens,
+            evictions=self._cache.evictions,
+            segmented=self.segmented,
+        )
+
+    # -- public API ------------------------------------------------------------------------
+
+    async def chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """``tokenizer.chat_token_ids(messages, ...)``, from the cache where possible."""
+        text = self.tokenizer.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+        )
+        return await self._ids(text, special=False)
+
+    async def prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """``tokenizer.prompt_token_ids(prompt)``: text is encoded, id lists are checked."""
+        if not isinstance(prompt, str):
+            return self.tokenizer.prompt_token_ids(prompt)
+        return await self._ids(prompt, special=True)
+
+    def chat_sync(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """:meth:`chat` in the calling thread."""
+        text = self.tokenizer.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+        )
+        return self._ids_sync(text, special=False)
+
+    def prompt_sync(self, prompt: str | Sequence[int]) -> list[int]:
+        """:meth:`prompt` in the calling thread."""
+        if not isinstance(prompt, str):
+            return self.tokenizer.prompt_token_ids(prompt)
+        return self._ids_sync(prompt, special=True)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _lookup(self, text: str, special: bool) -> tuple[_Parts, dict[int, str], bool]:
+        """(parts, misses by key, whole): ``whole`` means one piece encoded with specials."""
+        whole = special and self.plan.prefix is None
+        # A whole prompt is encoded even when empty: the post-processor may add BOS to "".
+        pieces: list[str | int] = [text] if whole else split_pieces(text, self.plan)
+        seed = _WHOLE_SEED if whole else _PIECE_SEED
+        parts: _Parts = []
+        misses: dict[int, str] = {}
+        for piece in pieces:
+            if isinstance(piece, int):
+                parts.append(self._added[piece])
+                continue
+            try:
+                key = xxhash.xxh3_128_intdigest(piece.encode(), seed)
+            except UnicodeEncodeError:
+                raise TokenizationError("prompt text is not valid Unicode") from None
+            ids = self._cache.get(key)
+            if ids is None:
+                parts.append(key)
+                misses[key] = piece
+            else:
+                parts.append(ids)
+                self._hits += 1
+                self._hit_tokens += len(ids)
+        return parts, misses, whole
+
+    def _encode(self, texts: list[str], whole: bool) -> list[array[int]]:
+        """Encode ``texts`` in one batch (releases the GIL); runs in a worker thread."""
+        if self._fast:
+            encode = self.tokenizer.encode
+            return [array("I", encode(text, add_special_tokens=whole)) for text in texts]
+        batch = getattr(self._hf, "encode_batch_fast", None) or self._hf.encode_batch
+        encodings = batch(texts, add_special_tokens=whole)
+        return [array("I", e.ids) for e in encodings]
+
+    def _assemble(
+        self, parts: _Parts, resolved: Mapping[int, array[int]], special: bool, whole: bool
+    ) -> list[int]:
+        wrap = special and not whole
+        ids = array("I", self.plan.prefix or ()) if wrap else array("I")
+        for part in parts:  # array + array: a memcpy per piece
+            ids.extend(resolved[part] if isinstance(part, int) else part)
+        if wrap:
+            ids.extend(array("I", self.plan.suffix))
+        return ids.tolist()
+
+    def _record(self, resolved: Mapping[int, array[int]]) -> None:
+        self._misses += len(resolved)
+        self._miss_tokens += sum(len(ids) for ids in resolved.values())
+        self._cache.put(resolved.items())
+
+    def _ids_sync(self, text: str, *, special: bool) -> list[int]:
+        parts, misses, whole = self._lookup(text, special)
+        resolved: dict[int, array[int]] = {}
+        if misses:
+            resolved = dict(zip(misses, self._encode(list(misses.values()), whole), strict=True))
+            self._record(resolved)
+        return self._assemble(parts, resolved, special, whole)
+
+    async def _ids(self, text: str, *, special: bool) -> list[int]:
+        parts, misses, whole = self._lookup(text, special)
+        if not misses:
+            return self._assemble(parts, {}, special, whole)
+        waits: dict[int, tuple[asyncio.Future[list[array[int]]], int]] = {}
+        fresh: dict[int, str] = {}
+        for key, piece in misses.items():
+            pending = self._pending.get(key)
+            if pending is None:
+                fresh[key] = piece
+            else:  # another request is encoding this piece right now
+                waits[key] = pending
+                self._shared += 1
+        if fresh:
+            loop = asyncio.get_running_loop()
+            job = loop.run_in_executor(self._executor, self._encode, list(fresh.values()), whole)
+            keys = list(fresh)
+            for index, key in enumerate(keys):
+                waits[key] = self._pending[key] = (job, index)
+            job.add_done_callback(partial(self._settle, keys))
+        resolved: dict[int, array[int]] = {}
+        for key, (future, index) in waits.items():
+            # shield: a cancelled request must not cancel a batch other requests wait for
+            resolved[key] = (await asyncio.shield(future))[index]
+        return self._assemble(parts, resolved, special, whole)
+
+    def _settle(self, keys: list[int], job: asyncio.Future[list[array[int]]]) -> None:
+        """Done callback of one encode batch: cache its results, forget it as pending."""
+        for key in keys:
+            pending = self._pending.get(key)
+            if pending is not None and pending[0] is job:
+                del self._pending[key]
+        if job.cancelled() or job.exception() is not None:
+            return  # awaiting requests see the error; nothing to cache
+        self._record(dict(zip(keys, job.result(), strict=True)))

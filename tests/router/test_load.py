@@ -1,0 +1,216 @@
+"""Load leases: exact local totals, and sharing across routers through Redis (real server)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import redis.asyncio as redis
+
+from router.load import Load, LoadBoard, LocalLoadBoard, RedisLoadBoard, new_router_id
+from tests.procs import free_port
+from tracker.blocks import Namespace
+from tracker.errors import IndexUnavailableError
+from tracker.keys import NamespaceKeys
+
+NS = Namespace("llama", 16)
+OTHER = Namespace("qwen", 16)
+
+
+def test_leases_keep_exact_local_totals() -> None:
+    board = LocalLoadBoard()
+    a = board.acquire(NS, "r1", 1000)
+    b = board.acquire(NS, "r1", 500)
+    c = board.acquire(NS, "r2", 0)
+    assert board.local_snapshot(NS) == {"r1": Load(2, 1500), "r2": Load(1, 0)}
+    a.first_token()
+    a.first_token()  # idempotent
+    assert board.local_snapshot(NS)["r1"] == Load(2, 500)
+    a.release()
+    a.release()
+    a.first_token()  # after release: nothing
+    b.release()  # released before its first token: its tokens go too
+    assert board.local_snapshot(NS) == {"r2": Load(1, 0)}
+    with c:
+        pass
+    assert board.local_snapshot(NS) == {}
+    assert (a.released, a.prefilling, c.released) == (True, False, True)
+    with pytest.raises(ValueError):
+        board.acquire(NS, "r1", -1)
+
+
+def test_lora_requests_count_towards_the_base_partition() -> None:
+    board = LocalLoadBoard()
+    board.acquire(Namespace("llama", 16, lora_name="sql"), "r1", 10)
+    board.acquire(OTHER, "r1", 7)
+    assert board.local_snapshot(NS) == {"r1": Load(1, 10)}
+    assert board.local_snapshot(OTHER) == {"r1": Load(1, 7)}
+
+
+async def test_local_board_snapshot_is_its_local_view() -> None:
+    board: LoadBoard = LocalLoadBoard()
+    await board.start()
+    lease = board.acquire(NS, "r1", 3)
+    assert await board.snapshot(NS) == {"r1": Load(1, 3)}
+    lease.release()
+    await board.stop()
+
+
+Factory = Callable[..., Awaitable[RedisLoadBoard]]
+
+
+@pytest.fixture
+async def boards(redis_url: str) -> AsyncIterator[Factory]:
+    """Routers sharing one redis-server: each with its own client, all closed afterwards."""
+    made: list[tuple[RedisLoadBoard, redis.Redis]] = []
+
+    async def make(ttl: float = 5.0, renew: float = 1.0, url: str = redis_url) -> RedisLoadBoard:
+        client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        board = RedisLoadBoard(client, new_router_id(), lease_ttl_s=ttl, renew_interval_s=renew)
+        protocol: LoadBoard = board
+        await protocol.start()
+        made.append((board, client))
+        return board
+
+    yield make
+    for board, client in made:
+        await board.stop()
+        await client.aclose()
+
+
+async def _until(
+    check: Callable[[], Awaitable[bool]], within: float = 2.0, step: float = 0.001
+) -> float:
+    """Seconds until ``check()`` holds (fails the test after ``within`` seconds)."""
+    start = time.monotonic()
+    while not await check():
+        if time.monotonic() - start > within:
+            pytest.fail("condition not reached in time")
+        await asyncio.sleep(step)
+    return time.monotonic() - start
+
+
+@pytest.mark.redis
+async def test_load_on_one_router_is_seen_by_another_within_milliseconds(boards: Factory) -> None:
+    a, b = await boards(), await boards()
+    lease = a.acquire(NS, "r1", 2048)
+
+    def seen(load: Load) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            return (await b.snapshot(NS)).get("r1", Load()) == load
+
+        return check
+
+    assert await _until(seen(Load(1, 2048))) < 0.05
+    mine = b.acquire(NS, "r1", 100)
+    assert (await b.snapshot(NS))["r1"] == Load(2, 2148)  # own load included, exact at once
+    lease.first_token()
+    assert await _until(seen(Load(2, 100))) < 0.05
+    lease.release()
+    mine.release()
+    assert await _until(seen(Load())) < 0.05
+    assert await b.snapshot(NS) == {}
+    assert a.stats.push_errors == 0 and a.stats.pushes >= 3
+
+
+@pytest.mark.redis
+async def test_partitions_are_separate_and_stored_under_the_schema_key(
+    boards: Factory, redis_url: str
+) -> None:
+    a, b = await boards(), await boards()
+    a.acquire(NS, "r1", 1)
+    a.acquire(OTHER, "r9", 2)
+
+    async def both() -> bool:
+        return "r1" in await b.snapshot(NS) and "r9" in await b.snapshot(OTHER)
+
+    await _until(both)
+    assert await b.snapshot(NS) == {"r1": Load(1, 1)}
+    async with redis.Redis.from_url(redis_url) as client:
+        key = NamespaceKeys(NS).load
+        assert await client.type(key) == b"hash"
+        assert await client.hlen(key) == 1
+        assert 0 < await client.pttl(key) <= 2 * 5000
+
+
+@pytest.mark.redis
+async def test_a_dead_router_leaks_nothing(boards: Factory, redis_url: str) -> None:
+    a, b = await boards(ttl=0.3, renew=0.1), await boards(ttl=0.3, renew=0.1)
+    a.acquire(NS, "r1", 500)
+    b.acquire(NS, "r2", 10)
+
+    async def a_seen() -> bool:
+        return "r1" in await b.snapshot(NS)
+
+    await _until(a_seen)
+    await asyncio.sleep(0.6)  # two TTLs: renewal keeps a live router's load alive
+    assert (await b.snapshot(NS))["r1"] == Load(1, 500)
+    a.abandon()  # crash: no renewal, no cleanup
+
+    async def a_gone() -> bool:
+        return "r1" not in await b.snapshot(NS)
+
+    waited = await _until(a_gone)
+    assert 0.05 < waited < 0.5
+    assert await b.snapshot(NS) == {"r2": Load(1, 10)}
+    async with redis.Redis.from_url(redis_url) as client:
+        assert await client.hlen(NamespaceKeys(NS).load) == 1  # the dead entry was pruned
+
+
+@pytest.mark.redis
+async def test_stop_withdraws_at_once(boards: Factory) -> None:
+    a, b = await boards(), await boards()
+    a.acquire(NS, "r1", 5)
+
+    async def seen() -> bool:
+        return "r1" in await b.snapshot(NS)
+
+    await _until(seen)
+    await a.stop()
+    assert await b.snapshot(NS) == {}
+    a.acquire(NS, "r1", 5)  # a stopped board still counts locally, publishes nothing
+    await asyncio.sleep(0.02)
+    assert await b.snapshot(NS) == {}
+    assert a.local_snapshot(NS) == {"r1": Load(2, 10)}
+
+
+@pytest.mark.redis
+async def test_many_changes_are_coalesced(boards: Factory) -> None:
+    a, b = await boards(), await boards()
+    leases = [a.acquire(NS, f"r{i % 4}", i) for i in range(200)]
+    for lease in leases[::2]:
+        lease.release()
+
+    async def settled() -> bool:
+        return await b.snapshot(NS) == a.local_snapshot(NS)
+
+    await _until(settled)
+    assert a.stats.pushes < 20  # one task, writing the latest totals, not one write per change
+
+
+async def test_redis_down_snapshot_raises_and_local_view_works(boards: Factory) -> None:
+    a = await boards(url=f"redis://127.0.0.1:{free_port()}/0")
+    lease = a.acquire(NS, "r1", 64)  # never raises, never blocks
+    with pytest.raises(IndexUnavailableError):
+        await a.snapshot(NS)
+    assert a.local_snapshot(NS) == {"r1": Load(1, 64)}
+
+    async def counted() -> bool:
+        return a.stats.push_errors > 0
+
+    await _until(counted)
+    lease.release()
+    assert a.local_snapshot(NS) == {}
+    assert a.stats.snapshot_errors == 1
+
+
+async def test_bad_arguments() -> None:
+    async with redis.Redis() as client:
+        with pytest.raises(ValueError):
+            RedisLoadBoard(client, "")
+        with pytest.raises(ValueError):
+            RedisLoadBoard(client, "a\x00b")
+        with pytest.raises(ValueError):
+            RedisLoadBoard(client, "a", lease_ttl_s=1.0, renew_interval_s=1.0)

@@ -1,0 +1,278 @@
+"""The routing policy: expected-TTFT arithmetic, caps, crossovers, tie-breaks, softmax."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.policy import (
+    DEFAULT_SPEED,
+    PolicyConfig,
+    ReplicaState,
+    SpeedEstimate,
+    decide,
+    score_replica,
+)
+
+CONFIG = PolicyConfig()
+S = DEFAULT_SPEED.prefill_ms_per_token
+F = DEFAULT_SPEED.floor_ms
+
+
+# (prompt tokens, state, matched, gpu, offload, uncached tokens, queue_ms, prefill_ms)
+Case = tuple[int, ReplicaState, int, int, int, int, float, float]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # cold replica: everything is prefilled
+        (1000, ReplicaState("r"), 0, 0, 0, 1000, 0.0, F + S * 1000),
+        # whole prompt cached: vLLM still recomputes the last token, so the last block goes
+        (160, ReplicaState("r", 10, 10), 144, 144, 0, 16, 0.0, F + S * 16),
+        # only full blocks of the prompt count, however long the cached chain
+        (170, ReplicaState("r", 50, 50), 160, 160, 0, 10, 0.0, F + S * 10),
+        # offload-tier blocks cost offload_hit_cost of a recompute
+        (1000, ReplicaState("r", 8, 5), 128, 80, 48, 872, 0.0, F + S * (872 + 0.3 * 48)),
+        # GPU count never exceeds the usable match
+        (40, ReplicaState("r", 9, 9), 32, 32, 0, 8, 0.0, F + S * 8),
+        # queued prefill work of every router ahead of us
+        (
+            1000,
+            ReplicaState("r", queued_prefill_tokens=5000),
+            0,
+            0,
+            0,
+            1000,
+            S * 5000,
+            F + S * 1000,
+        ),
+        # the engine reports 3 waiting, we know of 1: 2 unseen requests of 1024 tokens
+        (
+            100,
+            ReplicaState("r", inflight=1, engine_waiting=3),
+            0,
+            0,
+            0,
+            100,
+            S * 2 * 1024 + 0.05 * 3,
+            F + S * 100,
+        ),
+        # running requests slow every engine step a little
+        (
+            100,
+            ReplicaState("r", inflight=4, engine_running=10),
+            0,
+            0,
+            0,
+            100,
+            0.05 * 10,
+            F + S * 100,
+        ),
+        # KV cache above the watermark: linear penalty up to kv_full_penalty_ms at 100 %
+        (100, ReplicaState("r", kv_usage=0.95), 0, 0, 0, 100, 125.0, F + S * 100),
+        (100, ReplicaState("r", kv_usage=0.5), 0, 0, 0, 100, 0.0, F + S * 100),
+        # degenerate prompts
+        (1, ReplicaState("r", 5, 5), 0, 0, 0, 1, 0.0, F + S),
+        (0, ReplicaState("r", 5, 5), 0, 0, 0, 0, 0.0, F),
+    ],
+)
+def test_score_breakdown(case: Case) -> None:
+    prompt, state, matched, gpu, offload, uncached, queue_ms, prefill_ms = case
+    score = score_replica(prompt, state, CONFIG)
+    assert (score.matched_tokens, score.gpu_cached_tokens, score.offload_cached_tokens) == (
+        matched,
+        gpu,
+        offload,
+    )
+    assert score.uncached_tokens == uncached
+    assert score.queue_ms == pytest.approx(queue_ms)
+    assert score.prefill_ms == pytest.approx(prefill_ms)
+    assert score.expected_ttft_ms == pytest.approx(queue_ms + prefill_ms)
+    assert score.score == -score.expected_ttft_ms
+
+
+def test_work_tokens_are_what_the_estimator_regresses_on() -> None:
+    state = ReplicaState("r", 8, 5, inflight=2, queued_prefill_tokens=300, engine_waiting=4)
+    score = score_replica(1000, state, CONFIG)
+    assert score.work_tokens == pytest.approx(300 + 2 * 1024 + 872 + 0.3 * 48)
+    # with no engine-side terms, queue + prefill == the speed model at work_tokens
+    plain = score_replica(1000, ReplicaState("r", 8, 5, queued_prefill_tokens=300), CONFIG)
+    assert plain.expected_ttft_ms == pytest.approx(DEFAULT_SPEED.prefill_ms(plain.work_tokens))
+
+
+def test_cache_hit_wins_until_its_queue_costs_more_than_the_miss() -> None:
+    """The crossover is where queued work on the warm replica equals the prefill it saves."""
+    prompt, size = 4096, 16
+    warm_blocks = (prompt - 1) // size
+    saved = warm_blocks * size  # tokens the warm replica need not prefill
+    rng = random.Random(0)
+    for queued, winner in [(0, "warm"), (saved - 100, "warm"), (saved + 100, "cold")]:
+        warm = ReplicaState("warm", warm_blocks, warm_blocks, queued_prefill_tokens=queued)
+        cold = ReplicaState("cold")
+        assert decide(prompt, [cold, warm], CONFIG, rng).replica == winner, queued
+
+
+def test_a_faster_replica_can_beat_a_cache_hit() -> None:
+    fast = SpeedEstimate(floor_ms=10, prefill_ms_per_token=0.004)
+    slow = SpeedEstimate(floor_ms=25, prefill_ms_per_token=0.25)
+    prompt = 2048
+    hit = ReplicaState("slow-warm", 64, 64, speed=slow)  # half the prompt cached
+    miss = ReplicaState("fast-cold", speed=fast)
+    decision = decide(prompt, [hit, miss], CONFIG, random.Random(0))
+    assert decision.replica == "fast-cold"
+    assert decision.chosen.replica == "fast-cold"
+    assert [s.replica for s in decision.scores] == ["slow-warm", "fast-cold"]
+
+
+def test_gpu_hits_beat_offload_hits() -> None:
+    gpu = ReplicaState("gpu", 60, 60)
+    cpu = ReplicaState("cpu", 60, 0)
+    assert decide(1024, [cpu, gpu], CONFIG, random.Random(0)).replica == "gpu"
+    free = PolicyConfig(offload_hit_cost=0.0)
+    scores = decide(1024, [cpu, gpu], free, random.Random(0)).scores
+    assert scores[0].expected_ttft_ms == scores[1].expected_ttft_ms
+
+
+def test_ties_are_broken_at_random() -> None:
+    states = [ReplicaState(f"r{i}", 4, 4) for i in range(4)]
+    rng = random.Random(7)
+    picks = Counter(decide(100, states, CONFIG, rng).replica for _ in range(4000))
+    assert set(picks) == {"r0", "r1", "r2", "r3"}
+    assert all(800 < n < 1200 for n in picks.values()), picks
+
+
+def test_tie_epsilon() -> None:
+    close = SpeedEstimate(F + 0.5, S)
+    far = SpeedEstimate(F + 2.0, S)
+    rng = random.Random(1)
+    tied = {
+        decide(100, [ReplicaState("a"), ReplicaState("b", speed=close)], CONFIG, rng).replica
+        for _ in range(200)
+    }
+    assert tied == {"a", "b"}
+    apart = {
+        decide(100, [ReplicaState("a"), ReplicaState("b", speed=far)], CONFIG, rng).replica
+        for _ in range(200)
+    }
+    assert apart == {"a"}
+    exact = PolicyConfig(tie_epsilon_ms=0.0)
+    assert {
+        decide(100, [ReplicaState("a"), ReplicaState("b", speed=close)], exact, rng).replica
+        for _ in range(200)
+    } == {"a"}
+
+
+def test_softmax_temperature_samples_by_score_difference() -> None:
+    temperature = 10.0
+    gap = temperature * math.log(3)  # the better replica should win 3 times as often
+    states = [ReplicaState("best"), ReplicaState("worse", speed=SpeedEstimate(F + gap, S))]
+    config = PolicyConfig(temperature=temperature)
+    rng = random.Random(3)
+    picks = Counter(decide(100, states, config, rng).replica for _ in range(8000))
+    assert picks["best"] / picks["worse"] == pytest.approx(3.0, rel=0.1)
+
+
+def test_linear_mode_is_the_card_formula() -> None:
+    config = PolicyConfig(mode="linear", hit_weight=2.0, load_weight=3.0)
+    state = ReplicaState("r", 10, 6, inflight=5)
+    score = score_replica(1000, state, config)
+    assert score.score == pytest.approx(2.0 * (6 + 0.7 * 4) - 3.0 * 5)
+    assert score.expected_ttft_ms > 0  # still reported
+    loaded = ReplicaState("loaded", 10, 10, inflight=4)
+    idle = ReplicaState("idle", 0, 0, inflight=0)
+    card = PolicyConfig(mode="linear")
+    assert decide(1000, [loaded, idle], card, random.Random(0)).replica == "loaded"  # 10-4 > 0
+    assert decide(1000, [loaded, idle], config, random.Random(0)).replica == "loaded"  # 20-12 > 0
+    heavy = PolicyConfig(mode="linear", load_weight=3.0)
+    assert decide(1000, [loaded, idle], heavy, random.Random(0)).replica == "idle"  # 10-12 < 0
+
+
+def test_no_candidates_and_bad_configs_are_errors() -> None:
+    with pytest.raises(ValueError, match="no candidate"):
+        decide(10, [], CONFIG, random.Random(0))
+    for bad in (
+        {"mode": "fastest"},
+        {"block_size": 0},
+        {"offload_hit_cost": 1.5},
+        {"temperature": -1.0},
+        {"tie_epsilon_ms": math.nan},
+        {"kv_high_watermark": 1.0},
+    ):
+        with pytest.raises(ValueError):
+            PolicyConfig(**bad)
+
+
+STATES = st.builds(
+    ReplicaState,
+    id=st.sampled_from(["a", "b", "c", "d", "e"]),
+    matched_blocks=st.integers(0, 600),
+    matched_gpu_blocks=st.integers(0, 600),
+    inflight=st.integers(0, 200),
+    queued_prefill_tokens=st.integers(0, 500_000),
+    engine_waiting=st.none() | st.integers(0, 100),
+    engine_running=st.none() | st.integers(0, 300),
+    kv_usage=st.none() | st.floats(0.0, 1.0),
+    speed=st.builds(SpeedEstimate, st.floats(0.0, 500.0), st.floats(0.001, 2.0)),
+)
+
+
+@given(prompt=st.integers(0, 10_000), state=STATES, block=st.sampled_from([1, 16, 64]))
+def test_score_invariants(prompt: int, state: ReplicaState, block: int) -> None:
+    config = PolicyConfig(block_size=block)
+    score = score_replica(prompt, state, config)
+    assert score.matched_tokens % block == 0
+    assert 0 <= score.matched_tokens <= max(0, prompt - 1)
+    assert score.gpu_cached_tokens + score.offload_cached_tokens == score.matched_tokens
+    assert score.matched_tokens + score.uncached_tokens == prompt
+    assert score.queue_ms >= 0 and score.prefill_ms >= state.speed.floor_ms
+    assert score.expected_ttft_ms == pytest.approx(score.queue_ms + score.prefill_ms)
+    # more GPU-cached blocks never make it slower; more queued work never makes it faster
+    better = ReplicaState(
+        state.id,
+        state.matched_blocks + 1,
+        state.matched_gpu_blocks + 1,
+        state.inflight,
+        state.queued_prefill_tokens,
+        state.engine_waiting,
+        state.engine_running,
+        state.kv_usage,
+        state.speed,
+    )
+    assert score_replica(prompt, better, config).expected_ttft_ms <= score.expected_ttft_ms + 1e-9
+    busier = ReplicaState(
+        state.id,
+        state.matched_blocks,
+        state.matched_gpu_blocks,
+        state.inflight,
+        state.queued_prefill_tokens + 100,
+        state.engine_waiting,
+        state.engine_running,
+        state.kv_usage,
+        state.speed,
+    )
+    assert score_replica(prompt, busier, config).expected_ttft_ms > score.expected_ttft_ms
+
+
+@given(
+    prompt=st.integers(1, 10_000),
+    states=st.lists(STATES, min_size=1, max_size=6),
+    seed=st.integers(0, 2**32),
+)
+def test_decision_is_the_best_within_epsilon(
+    prompt: int, states: list[ReplicaState], seed: int
+) -> None:
+    decision = decide(prompt, states, CONFIG, random.Random(seed))
+    best = max(s.score for s in decision.scores)
+    assert len(decision.scores) == len(states)
+    assert any(
+        s.replica == decision.replica and s.score >= best - CONFIG.tie_epsilon_ms
+        for s in decision.scores
+    )
+    sampled = decide(prompt, states, PolicyConfig(temperature=5.0), random.Random(seed))
+    assert sampled.replica in {s.id for s in states}

@@ -1,0 +1,360 @@
+"""The BlockIndex contract, run unchanged against every backend.
+
+Backends: :class:`MemoryIndex`; :class:`RedisIndex` on the session's real redis-server; and
+:class:`RedisIndex` on fakeredis, whose Lua support needs the ``lupa`` package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import xxhash
+
+from tracker.blocks import Namespace, block_keys
+from tracker.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
+from tracker.index import BlockIndex, Match, MemoryIndex, ReplicaRecord
+from tracker.redis_index import RedisIndex
+
+NS = Namespace("llama", 4)
+SEQ = list(range(1000, 1016))  # 4 blocks
+OTHER = list(range(2000, 2016))
+
+
+@pytest.fixture(params=["memory", "redis", "fakeredis"])
+async def index(request: pytest.FixtureRequest) -> AsyncIterator[BlockIndex]:
+    backend: BlockIndex
+    if request.param == "memory":
+        backend = MemoryIndex()
+    elif request.param == "redis":
+        backend = RedisIndex.from_url(request.getfixturevalue("redis_url"))
+    else:
+        pytest.importorskip(
+            "lupa", reason="fakeredis runs Lua only with lupa: add fakeredis[lua] to test deps"
+        )
+        import fakeredis
+
+        backend = RedisIndex(fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer()))
+    yield backend
+    await backend.close()
+
+
+# ------------------------------------------------------------------ event helpers
+
+
+def engine_hash(tokens: list[int], block: int, ns: Namespace = NS) -> int:
+    """A stand-in for vLLM's hash of block ``block`` of ``tokens`` (any stable function works)."""
+    prefix = b"".join(t.to_bytes(4, "little") for t in tokens[: (block + 1) * ns.block_size])
+    return xxhash.xxh3_64_intdigest(prefix, seed=7)
+
+
+def store(
+    tokens: list[int],
+    blocks: range | None = None,
+    *,
+    ns: Namespace = NS,
+    lora: str | None = None,
+) -> BlockStored:
+    """GPU BlockStored of ``blocks`` of ``tokens``, chained to the block before them."""
+    bs = ns.block_size
+    blocks = blocks if blocks is not None else range(len(tokens) // bs)
+    parent = engine_hash(tokens, blocks.start - 1, ns) if blocks.start else None
+    return BlockStored(
+        [engine_hash(tokens, b, ns) for b in blocks],
+        parent,
+        tokens[blocks.start * bs : blocks.stop * bs],
+        bs,
+        medium="GPU",
+        lora_name=lora,
+    )
+
+
+def offload(tokens: list[int], *blocks: int) -> BlockStored:
+    """Tokenless CPU BlockStored with digest-bytes hashes, as vLLM's offload connector sends."""
+    digests = [b"\xee" * 24 + engine_hash(tokens, b).to_bytes(8, "big") for b in blocks]
+    return BlockStored(digests, None, [], 0, medium="CPU")
+
+
+def remove(tokens: list[int], *blocks: int, medium: str = "GPU") -> BlockRemoved:
+    return BlockRemoved([engine_hash(tokens, b) for b in blocks], medium)
+
+
+def batch(*events: Event) -> EventBatch:
+    return EventBatch(1700000000.0, list(events), 0)
+
+
+async def put(
+    index: BlockIndex, replica: str, *events: Event, ns: Namespace = NS, seq: Any = None
+) -> Any:
+    return await index.apply(replica, ns, batch(*events), seq)
+
+
+async def matches(
+    index: BlockIndex, tokens: list[int], ns: Namespace = NS
+) -> dict[str, tuple[int, int]]:
+    found = await index.lookup(ns, block_keys(tokens, ns))
+    for replica, match in found.items():
+        assert isinstance(match, Match) and match.replica == replica
+        assert match.offload_blocks == match.blocks - match.gpu_blocks
+    return {r: (m.blocks, m.gpu_blocks) for r, m in found.items()}
+
+
+# ------------------------------------------------------------------ placements and lookups
+
+
+async def test_empty_index_and_empty_chain(index: BlockIndex) -> None:
+    assert await matches(index, SEQ) == {}
+    await put(index, "r1", store(SEQ))
+    assert await index.lookup(NS, []) == {}
+
+
+async def test_apply_then_lookup(index: BlockIndex) -> None:
+    result = await put(index, "r1", store(SEQ, range(2)), store(SEQ, range(2, 4)), seq=0)
+    assert result.stats["stored"] == 4
+    assert result.blocks == 4
+    assert not result.cleared
+    assert await matches(index, SEQ) == {"r1": (4, 4)}
+    assert await matches(index, SEQ[:8]) == {"r1": (2, 2)}
+    assert await matches(index, [*SEQ, *OTHER]) == {"r1": (4, 4)}
+    assert await matches(index, OTHER) == {}
+    assert await index.block_count("r1", NS) == 4
+
+
+async def test_longest_contiguous_prefix_per_replica(index: BlockIndex) -> None:
+    await put(index, "holes", store(SEQ), remove(SEQ, 2))  # blocks 0, 1, 3
+    await put(index, "middle", store(SEQ, range(2)), remove(SEQ, 0))  # block 1 only
+    await put(index, "full", store(SEQ))
+    await put(index, "first", store(SEQ, range(1)))
+    assert await matches(index, SEQ) == {"holes": (2, 2), "full": (4, 4), "first": (1, 1)}
+
+
+async def test_walk_stops_at_first_block_no_replica_holds(index: BlockIndex) -> None:
+    await put(index, "a", store(SEQ), remove(SEQ, 2))  # 0, 1, 3
+    await put(index, "b", store(SEQ), remove(SEQ, 2))  # 0, 1, 3
+    await put(index, "c", store(SEQ), remove(SEQ, 0, 1, 2))  # 3 only
+    assert await index.block_count("c", NS) == 1
+    assert await matches(index, SEQ) == {"a": (2, 2), "b": (2, 2)}
+    await put(index, "a", remove(SEQ, 0))
+    assert await matches(index, SEQ) == {"b": (2, 2)}
+    await put(index, "b", remove(SEQ, 0))
+    assert await matches(index, SEQ) == {}
+
+
+async def test_diverging_sequences_share_their_common_prefix(index: BlockIndex) -> None:
+    fork = SEQ[:8] + OTHER[:8]
+    await put(index, "r1", store(SEQ))
+    await put(index, "r2", store(fork))
+    assert await matches(index, SEQ) == {"r1": (4, 4), "r2": (2, 2)}
+    assert await matches(index, fork) == {"r1": (2, 2), "r2": (4, 4)}
+
+
+async def test_gpu_and_offload_tiers(index: BlockIndex) -> None:
+    await put(index, "r1", store(SEQ, range(3)), offload(SEQ, 0, 1, 2))
+    assert await matches(index, SEQ) == {"r1": (3, 3)}
+    await put(index, "r1", remove(SEQ, 1))  # block 1 now only on CPU
+    assert await matches(index, SEQ) == {"r1": (3, 2)}
+    await put(index, "r1", remove(SEQ, 0, 2))
+    assert await matches(index, SEQ) == {"r1": (3, 0)}
+    await put(
+        index, "r1", BlockRemoved([b"\xee" * 24 + engine_hash(SEQ, 1).to_bytes(8, "big")], "CPU")
+    )
+    assert await matches(index, SEQ) == {"r1": (1, 0)}
+    assert await index.block_count("r1", NS) == 2
+
+
+async def test_lora_namespaces_are_isolated(index: BlockIndex) -> None:
+    await put(index, "lora-a", store(SEQ, lora="a"))
+    await put(index, "base", store(SEQ))
+    await put(index, "lora-b", store(SEQ[:8], lora="b"), ns=Namespace("llama", 4, "b"))
+    assert await matches(index, SEQ, Namespace("llama", 4, "a")) == {"lora-a": (4, 4)}
+    assert await matches(index, SEQ, Namespace("llama", 4, "b")) == {"lora-b": (2, 2)}
+    assert await matches(index, SEQ) == {"base": (4, 4)}
+    assert await matches(index, SEQ, Namespace("llama", 4, "c")) == {}
+
+
+async def test_empty_lora_name_is_the_base_namespace(index: BlockIndex) -> None:
+    await put(index, "r1", store(SEQ), ns=Namespace("llama", 4, ""))
+    assert await matches(index, SEQ) == {"r1": (4, 4)}
+    assert await index.block_count("r1", NS) == 4
+
+
+async def test_namespaces_are_isolated(index: BlockIndex) -> None:
+    other_model = Namespace("mistral", 4)
+    other_size = Namespace("llama", 8)
+    await put(index, "r1", store(SEQ), seq=3)
+    await put(index, "r1", store(SEQ, ns=other_model), ns=other_model, seq=9)
+    keys = block_keys(SEQ, NS)
+    # The same keys in another partition find nothing.
+    assert await index.lookup(other_size, keys) == {}
+    assert await matches(index, SEQ, other_model) == {"r1": (4, 4)}
+    assert await index.last_seq("r1", NS) == 3
+    assert await index.last_seq("r1", other_model) == 9
+    assert await index.clear("r1", other_model) == 4
+    assert await matches(index, SEQ) == {"r1": (4, 4)}
+    assert await index.last_seq("r1", NS) == 3
+    assert await index.block_count("r1", other_model) == 0
+
+
+async def test_clear_affects_only_that_replica(index: BlockIndex) -> None:
+    await put(index, "r1", store(SEQ), seq=4)
+    await put(index, "r2", store(SEQ), seq=8)
+    assert await index.clear("r1", NS) == 4
+    assert await matches(index, SEQ) == {"r2": (4, 4)}
+    assert await index.block_count("r1", NS) == 0
+    assert await index.block_count("r2", NS) == 4
+    assert await index.last_seq("r1", NS) is None
+    assert await index.last_seq("r2", NS) == 8
+    assert await index.clear("r1", NS) == 0
+    await put(index, "r1", store(SEQ, range(1)), seq=0)
+    assert await matches(index, SEQ) == {"r2": (4, 4), "r1": (1, 1)}
+
+
+async def test_all_blocks_cleared_event(index: BlockIndex) -> None:
+    await put(index, "r1", store(SEQ))
+    await put(index, "r2", store(SEQ))
+    result = await put(index, "r1", AllBlocksCleared(), store(OTHER, range(1)))
+    assert result.cleared
+    assert result.stats["cleared"] == 1
+    assert result.blocks == 1
+    assert await matches(index, SEQ) == {"r2": (4, 4)}
+    assert await matches(index, OTHER) == {"r1": (1, 1)}
+
+
+async def test_last_seq(index: BlockIndex) -> None:
+    assert await index.last_seq("r1", NS) is None
+    await put(index, "r1", store(SEQ, range(1)), seq=5)
+    assert await index.last_seq("r1", NS) == 5
+    await put(index, "r1", store(SEQ, range(1, 2)))
+    assert await index.last_seq("r1", NS) == 5
+    await put(index, "r1", store(SEQ, range(2, 3)), seq=0)
+    assert await index.last_seq("r1", NS) == 0
+    await put(index, "r1", store(SEQ, range(3, 4)), seq=(1 << 64) - 2)
+    assert await index.last_seq("r1", NS) == (1 << 64) - 2
+    assert await index.last_seq("r2", NS) is None
+
+
+async def test_replaying_a_batch_twice_is_reference_counted(index: BlockIndex) -> None:
+    stored = batch(store(SEQ))
+    for _ in range(2):
+        result = await index.apply("r1", NS, stored, 1)
+        assert result.blocks == 4
+    assert await index.block_count("r1", NS) == 4
+    removal = batch(remove(SEQ, 0, 1, 2, 3))
+    assert (await index.apply("r1", NS, removal, 2)).stats["removed"] == 4
+    assert await matches(index, SEQ) == {"r1": (4, 4)}
+    await index.apply("r1", NS, removal, 3)
+    assert await matches(index, SEQ) == {}
+    assert await index.block_count("r1", NS) == 0
+    assert (await index.apply("r1", NS, removal, 4)).stats["unknown_remove"] == 4
+
+
+async def test_orphans_are_reported_not_indexed(index: BlockIndex) -> None:
+    result = await put(index, "r1", store(SEQ, range(2, 4)))
+    assert result.stats["orphan"] == 2
+    assert result.blocks == 0
+    assert await matches(index, SEQ) == {}
+
+
+async def test_block_count_counts_distinct_blocks(index: BlockIndex) -> None:
+    assert await index.block_count("nobody", NS) == 0
+    await put(index, "r1", store(SEQ), store(SEQ, range(2)), offload(SEQ, 0))
+    assert await index.block_count("r1", NS) == 4
+
+
+# ------------------------------------------------------------------ registry
+
+
+def record(replica: str, **fields: Any) -> ReplicaRecord:
+    return ReplicaRecord(id=replica, model="llama", block_size=4, **fields)
+
+
+async def test_register_list_and_deregister(index: BlockIndex) -> None:
+    assert await index.replicas() == []
+    before = time.time()
+    await index.register(record("r1", url="http://h1:8000", events="tcp://h1:5557"))
+    await index.register(record("r2", instance="boot-1"))
+    listed = {r.id: r for r in await index.replicas()}
+    assert set(listed) == {"r1", "r2"}
+    assert listed["r1"].url == "http://h1:8000"
+    assert listed["r1"].events == "tcp://h1:5557"
+    assert listed["r2"].instance == "boot-1"
+    for entry in listed.values():
+        assert before - 1 <= entry.last_seen <= time.time() + 1
+    await index.register(record("r1", url="http://h1:9000"))
+    listed = {r.id: r for r in await index.replicas()}
+    assert listed["r1"].url == "http://h1:9000"
+    await index.deregister("r1")
+    await index.deregister("never-registered")
+    assert [r.id for r in await index.replicas()] == ["r2"]
+
+
+async def test_reap_removes_only_stale_entries(index: BlockIndex) -> None:
+    await index.register(record("short", ttl_s=0.05))
+    await index.register(record("long", ttl_s=60))
+    assert await index.reap() == []
+    await asyncio.sleep(0.15)
+    reaped = await index.reap()
+    assert [r.id for r in reaped] == ["short"]
+    assert [r.id for r in await index.replicas()] == ["long"]
+    assert await index.reap() == []
+    # A heartbeat brings it back.
+    await index.register(record("short", ttl_s=0.05))
+    assert {r.id for r in await index.replicas()} == {"short", "long"}
+
+
+async def test_registry_and_blocks_are_independent(index: BlockIndex) -> None:
+    await put(index, "r1", store(SEQ))
+    await index.register(record("r1"))
+    await index.deregister("r1")
+    assert await matches(index, SEQ) == {"r1": (4, 4)}
+
+
+# ------------------------------------------------------------------ predictions
+
+
+async def predicted(
+    index: BlockIndex, tokens: list[int], ns: Namespace = NS
+) -> dict[str, tuple[int, int, int]]:
+    found = await index.lookup(ns, block_keys(tokens, ns))
+    return {r: (m.blocks, m.gpu_blocks, m.predicted_blocks) for r, m in found.items()}
+
+
+async def test_predictions_match_a_new_prefix_until_they_expire(index: BlockIndex) -> None:
+    await index.predict(NS, "a", block_keys(SEQ, NS), ttl_s=0.4)
+    assert await predicted(index, SEQ) == {"a": (4, 4, 4)}
+    assert await predicted(index, [*SEQ[:8], *OTHER]) == {"a": (2, 2, 2)}
+    await asyncio.sleep(0.6)
+    assert await predicted(index, SEQ) == {}
+
+
+async def test_predictions_extend_real_matches_where_events_end(index: BlockIndex) -> None:
+    await put(index, "a", store(SEQ, range(2)))
+    await put(index, "b", store(SEQ, range(2)))
+    await index.predict(NS, "a", block_keys(SEQ, NS)[2:], ttl_s=5)
+    assert await predicted(index, SEQ) == {"a": (4, 4, 2), "b": (2, 2, 0)}
+
+
+async def test_real_events_supersede_predictions(index: BlockIndex) -> None:
+    await index.predict(NS, "a", block_keys(SEQ, NS), ttl_s=5)
+    await put(index, "a", store(SEQ))
+    assert await predicted(index, SEQ) == {"a": (4, 4, 0)}
+
+
+async def test_a_replica_that_stopped_matching_is_not_revived_by_predictions(
+    index: BlockIndex,
+) -> None:
+    await put(index, "a", store(SEQ, range(1)))
+    await index.predict(NS, "b", block_keys(SEQ, NS)[1:], ttl_s=5)
+    assert await predicted(index, SEQ) == {"a": (1, 1, 0)}
+
+
+async def test_newer_prediction_of_the_same_replica_replaces_the_older(index: BlockIndex) -> None:
+    keys = block_keys(SEQ, NS)
+    await index.predict(NS, "a", keys, ttl_s=0.3)
+    await index.predict(NS, "a", keys, ttl_s=5)
+    await index.predict(NS, "b", keys[:1], ttl_s=5)
+    await asyncio.sleep(0.5)
+    assert await predicted(index, SEQ) == {"a": (4, 4, 4), "b": (1, 1, 1)}

@@ -1,0 +1,272 @@
+"""Ledger tests: ref counts, orphans, offload tiers, skipped groups, clears, persistence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tracker.blocks import Namespace, block_keys
+from tracker.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, UnknownEvent
+from tracker.ledger import EngineBlock, ReplicaLedger, Tier, tier_of
+
+NS = Namespace("m", 2)
+TOKENS = [10, 11, 20, 21, 30, 31, 40, 41]
+KEYS = block_keys(TOKENS, NS)
+GPU, OFF = int(Tier.GPU), int(Tier.OFFLOAD)
+
+
+def stored(hashes: list[Any], tokens: list[int], parent: Any = None, **fields: Any) -> BlockStored:
+    fields.setdefault("block_size", NS.block_size)
+    return BlockStored(hashes, parent, tokens, **fields)
+
+
+def removed(*hashes: Any, medium: str | None = "GPU", group_idx: int | None = None) -> BlockRemoved:
+    return BlockRemoved(list(hashes), medium, group_idx)
+
+
+def ledger_with(*events: Event) -> ReplicaLedger:
+    ledger = ReplicaLedger("r1", NS)
+    ledger.apply(events)
+    return ledger
+
+
+def held(ledger: ReplicaLedger) -> dict[int, int]:
+    return dict(ledger.placements())
+
+
+def test_store_chain_maps_engine_hashes_to_chained_keys() -> None:
+    ledger = ReplicaLedger("r1", NS)
+    changes = ledger.apply([stored([1, 2], TOKENS[:4]), stored([3], TOKENS[4:6], parent=2)])
+    assert changes.placements == {KEYS[0]: GPU, KEYS[1]: GPU, KEYS[2]: GPU}
+    assert changes.stats == {"stored": 3}
+    assert {h: b.key for h, b in ledger.engine.items()} == {1: KEYS[0], 2: KEYS[1], 3: KEYS[2]}
+    assert set(changes.engine) == {1, 2, 3}
+    assert not changes.cleared
+    assert len(ledger) == 3
+
+
+def test_duplicate_stores_are_reference_counted() -> None:
+    ledger = ledger_with(stored([1], TOKENS[:2]), stored([1], TOKENS[:2]))
+    assert ledger.engine[1].gpu == 2
+    changes = ledger.apply([removed(1)])
+    assert changes.placements == {KEYS[0]: GPU}
+    assert ledger.tiers(KEYS[0]) == GPU
+    changes = ledger.apply([removed(1)])
+    assert changes.placements == {KEYS[0]: 0}
+    assert changes.engine == {1: None}
+    assert ledger.tiers(KEYS[0]) == 0
+    assert len(ledger) == 0
+    assert ledger.apply([removed(1)]).stats == {"unknown_remove": 1}
+
+
+def test_signed_and_unsigned_forms_of_a_hash_are_the_same_block() -> None:
+    ledger = ledger_with(stored([-5], TOKENS[:2]), stored([7], TOKENS[2:4], parent=(1 << 64) - 5))
+    assert held(ledger) == {KEYS[0]: GPU, KEYS[1]: GPU}
+    ledger.apply([removed((1 << 64) - 5), removed(7)])
+    assert held(ledger) == {}
+
+
+def test_orphan_is_counted_and_not_indexed_and_its_children_are_orphans() -> None:
+    ledger = ReplicaLedger("r1", NS)
+    changes = ledger.apply([stored([5, 6], TOKENS[2:6], parent=99)])
+    assert changes.stats == {"orphan": 2}
+    assert changes.placements == {}
+    assert len(ledger) == 0
+    child = ledger.apply([stored([7], TOKENS[6:8], parent=6)])
+    assert child.stats == {"orphan": 1}
+    assert held(ledger) == {}
+    assert ledger.apply([removed(6)]).stats == {"removed_orphan": 1}
+    assert ledger.apply([removed(6)]).stats == {"unknown_remove": 1}
+    assert ledger.apply([removed(7, 5)]).stats == {"removed_orphan": 2}
+
+
+def test_orphan_stored_twice_needs_two_removes() -> None:
+    ledger = ledger_with(stored([5], TOKENS[2:4], parent=99), stored([5], TOKENS[2:4], parent=99))
+    assert ledger.apply([removed(5)]).stats == {"removed_orphan": 1}
+    assert ledger.apply([removed(5)]).stats == {"removed_orphan": 1}
+    assert ledger.apply([removed(5)]).stats == {"unknown_remove": 1}
+
+
+def test_orphan_later_stored_with_known_parent_is_indexed() -> None:
+    ledger = ledger_with(stored([2], TOKENS[2:4], parent=1))
+    assert held(ledger) == {}
+    ledger.apply([stored([1], TOKENS[:2]), stored([2], TOKENS[2:4], parent=1)])
+    assert held(ledger) == {KEYS[0]: GPU, KEYS[1]: GPU}
+    assert not ledger.orphans
+    assert ledger.apply([removed(2)]).stats == {"removed": 1}
+
+
+def test_tokenless_cpu_store_adds_offload_tier_to_known_gpu_block() -> None:
+    digest = bytes(range(24)) + (1234).to_bytes(8, "big")  # last 8 bytes == the GPU int hash
+    ledger = ledger_with(stored([1234], TOKENS[:2]))
+    changes = ledger.apply([stored([digest], [], block_size=0, medium="CPU")])
+    assert changes.placements == {KEYS[0]: GPU | OFF}
+    assert changes.stats == {"stored": 1}
+    assert ledger.engine[1234].offload == 1
+    # GPU eviction leaves the CPU copy; the CPU removal (bytes again) forgets the block.
+    assert ledger.apply([removed(1234)]).placements == {KEYS[0]: OFF}
+    changes = ledger.apply([removed(digest, medium="CPU")])
+    assert changes.placements == {KEYS[0]: 0}
+    assert changes.engine == {1234: None}
+
+
+def test_tokenless_store_of_unknown_hash_is_counted_and_ignored() -> None:
+    ledger = ReplicaLedger("r1", NS)
+    changes = ledger.apply([stored([b"\x01" * 32, 77], [], block_size=16, medium="CPU")])
+    assert changes.stats == {"tokenless_unknown": 2}
+    assert changes.placements == {}
+
+
+def test_remove_from_a_tier_the_block_is_not_in_is_unbalanced() -> None:
+    ledger = ledger_with(stored([1], TOKENS[:2]))
+    assert ledger.apply([removed(1, medium="CPU")]).stats == {"unbalanced_remove": 1}
+    assert held(ledger) == {KEYS[0]: GPU}
+
+
+@pytest.mark.parametrize(
+    ("fields", "indexed"),
+    [
+        pytest.param({}, True, id="no-group"),
+        pytest.param({"group_idx": 0}, True, id="group-0"),
+        pytest.param({"group_idx": 1}, False, id="group-1"),
+        pytest.param({"group_idx": 1, "kv_cache_spec_kind": "full_attention"}, True, id="full-g1"),
+        pytest.param({"group_idx": 0, "kv_cache_spec_kind": "mla_attention"}, True, id="mla"),
+        pytest.param({"group_idx": 0, "kv_cache_spec_kind": "sliding_window"}, False, id="swa"),
+        pytest.param({"kv_cache_spec_kind": "mamba"}, False, id="mamba"),
+        pytest.param(
+            {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 4096},
+            False,
+            id="swa-with-window",
+        ),
+    ],
+)
+def test_only_full_attention_groups_are_indexed(fields: dict[str, Any], indexed: bool) -> None:
+    changes = ReplicaLedger("r1", NS).apply([stored([1], TOKENS[:2], **fields)])
+    if indexed:
+        assert changes.placements == {KEYS[0]: GPU}
+    else:
+        assert changes.placements == {}
+        assert changes.stats == {"skipped_group": 1}
+
+
+def test_removal_of_another_group_is_skipped() -> None:
+    ledger = ledger_with(stored([1], TOKENS[:2]), stored([1], TOKENS[:2], group_idx=1))
+    assert ledger.apply([removed(1, group_idx=1)]).stats == {"skipped_group": 1}
+    assert held(ledger) == {KEYS[0]: GPU}
+
+
+def test_block_size_and_token_count_mismatches_are_counted() -> None:
+    ledger = ReplicaLedger("r1", NS)
+    assert ledger.apply([stored([1], TOKENS[:4], block_size=4)]).stats == {"block_size_mismatch": 1}
+    assert ledger.apply([stored([1, 2], TOKENS[:3])]).stats == {"token_count_mismatch": 2}
+    assert len(ledger) == 0
+
+
+def test_all_blocks_cleared_in_the_middle_of_a_batch() -> None:
+    ledger = ledger_with(stored([1], TOKENS[:2]))
+    changes = ledger.apply(
+        [stored([2], TOKENS[2:4], parent=1), AllBlocksCleared(), stored([9], TOKENS[4:6])]
+    )
+    assert changes.cleared
+    assert changes.stats == {"stored": 2, "cleared": 1}
+    key9 = block_keys(TOKENS[4:6], NS)[0]
+    assert changes.placements == {KEYS[0]: 0, KEYS[1]: 0, key9: GPU}
+    assert changes.engine[1] is None and changes.engine[2] is None
+    assert changes.engine[9] == EngineBlock(key9, gpu=1)
+    assert held(ledger) == {key9: GPU}
+    # The pre-clear hashes are gone: their parent link no longer resolves.
+    assert ledger.apply([stored([3], TOKENS[4:6], parent=2)]).stats == {"orphan": 1}
+
+
+def test_clear_forgets_orphans_too() -> None:
+    ledger = ledger_with(stored([5], TOKENS[2:4], parent=99))
+    changes = ledger.clear()
+    assert changes.cleared and changes.placements == {}
+    assert ledger.apply([removed(5)]).stats == {"unknown_remove": 1}
+
+
+def test_hash_reused_for_other_tokens_replaces_the_block() -> None:
+    ledger = ledger_with(stored([1], TOKENS[:2]))
+    other = block_keys([7, 7], NS)[0]
+    changes = ledger.apply([stored([1], [7, 7])])
+    assert changes.stats == {"hash_conflict": 1, "stored": 1}
+    assert changes.placements == {KEYS[0]: 0, other: GPU}
+    assert held(ledger) == {other: GPU}
+
+
+def test_lora_and_extra_keys_feed_the_block_key() -> None:
+    ledger = ledger_with(
+        stored([1], TOKENS[:2], lora_name="adapter"),
+        stored([2], TOKENS[:2], extra_keys=[["salt"]]),
+    )
+    lora_key = block_keys(TOKENS[:2], Namespace("m", 2, "adapter"))[0]
+    salted_key = block_keys(TOKENS[:2], NS, extra_keys=[("salt",)])[0]
+    assert held(ledger) == {lora_key: GPU, salted_key: GPU}
+    assert ledger.namespace == NS
+
+
+def test_ledger_namespace_is_the_base_partition() -> None:
+    assert ReplicaLedger("r1", Namespace("m", 2, "adapter")).namespace == NS
+
+
+def test_unknown_events_are_counted() -> None:
+    assert ReplicaLedger("r1", NS).apply([UnknownEvent("X")]).stats == {"unknown_event": 1}
+
+
+@pytest.mark.parametrize(
+    ("medium", "tier"),
+    [
+        (None, Tier.GPU),
+        ("GPU", Tier.GPU),
+        ("gpu", Tier.GPU),
+        ("CPU", Tier.OFFLOAD),
+        ("cpu", Tier.OFFLOAD),
+        ("CPU_PINNED", Tier.OFFLOAD),
+        ("FS", Tier.OFFLOAD),
+    ],
+)
+def test_tier_of_medium(medium: str | None, tier: Tier) -> None:
+    assert tier_of(medium) is tier
+
+
+def test_load_round_trip_from_engine_blocks() -> None:
+    ledger = ledger_with(
+        stored([1, 2], TOKENS[:4]),
+        stored([1], TOKENS[:2]),
+        stored([(2).to_bytes(8, "big")], [], medium="CPU"),
+    )
+    persisted = [(h, EngineBlock.unpack(b.pack())) for h, b in ledger.engine.items()]
+    restored = ReplicaLedger("r1", NS)
+    restored.load(persisted)
+    assert held(restored) == held(ledger) == {KEYS[0]: GPU, KEYS[1]: GPU | OFF}
+    assert restored.refs == ledger.refs
+    # Ref counts survived: block 1 needs two removals, block 2 keeps its CPU copy.
+    restored.apply([removed(1), removed(2)])
+    assert held(restored) == {KEYS[0]: GPU, KEYS[1]: OFF}
+    restored.apply([removed(1)])
+    assert held(restored) == {KEYS[1]: OFF}
+    # Descendants of restored blocks chain correctly.
+    restored.apply([stored([3], TOKENS[4:6], parent=2)])
+    assert restored.tiers(KEYS[2]) == GPU
+
+
+def test_load_replaces_previous_state() -> None:
+    ledger = ledger_with(stored([1], TOKENS[:2]), stored([5], TOKENS[2:4], parent=99))
+    ledger.load([(2, EngineBlock(KEYS[1], gpu=1))])
+    assert held(ledger) == {KEYS[1]: GPU}
+    assert not ledger.orphans
+
+
+@pytest.mark.parametrize(
+    "block",
+    [EngineBlock(0), EngineBlock((1 << 64) - 1, 3, 0xFFFF), EngineBlock(12345, 1, 2)],
+)
+def test_engine_block_pack_round_trip(block: EngineBlock) -> None:
+    packed = block.pack()
+    assert len(packed) == 12
+    assert EngineBlock.unpack(packed) == block
+
+
+def test_engine_block_pack_clamps_huge_ref_counts() -> None:
+    assert EngineBlock.unpack(EngineBlock(1, 70000, 0).pack()) == EngineBlock(1, 0xFFFF, 0)

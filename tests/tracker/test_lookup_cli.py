@@ -1,0 +1,157 @@
+"""The real ``kvrouter lookup`` console script against a Redis index filled through RedisIndex."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.procs import free_port
+from tracker.blocks import Namespace, block_keys
+from tracker.events import BlockRemoved, BlockStored, EventBatch
+from tracker.redis_index import RedisIndex
+
+KVROUTER = Path(sys.executable).parent / "kvrouter"
+NS = Namespace("llama", 4)
+TOKENS = list(range(500, 516))  # 4 blocks of 4
+HASHES = [11, 12, 13, 14]
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
+    return subprocess.run(
+        [str(KVROUTER), "lookup", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**clean, **(env or {})},
+        check=False,
+    )
+
+
+def placement(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    out: dict[str, Any] = json.loads(result.stdout)
+    return out
+
+
+@pytest.fixture
+async def filled(redis_url: str) -> str:
+    """r1 holds all 4 blocks on GPU, r2 the first 2 (block 1 only offloaded), r3 a LoRA copy."""
+    index = RedisIndex.from_url(redis_url)
+    try:
+        stored = BlockStored(HASHES, None, TOKENS, NS.block_size, medium="GPU")
+        await index.apply("r1", NS, EventBatch(1.0, [stored], 0), 1)
+        first_two = BlockStored(HASHES[:2], None, TOKENS[:8], NS.block_size, medium="GPU")
+        cpu = BlockStored([12], None, [], 0, medium="CPU")
+        events = [first_two, cpu, BlockRemoved([12], "GPU")]
+        await index.apply("r2", NS, EventBatch(1.0, events, 0), 1)
+        lora = BlockStored([21], None, TOKENS[:4], NS.block_size, medium="GPU", lora_name="a")
+        await index.apply("r3", NS, EventBatch(1.0, [lora], 0), 1)
+        found = await index.lookup(NS, block_keys(TOKENS, NS))
+        assert set(found) == {"r1", "r2"}
+    finally:
+        await index.close()
+    return redis_url
+
+
+def expected(**replicas: tuple[int, int]) -> dict[str, Any]:
+    return {
+        r: {
+            "matched_blocks": blocks,
+            "matched_tokens": blocks * NS.block_size,
+            "gpu_blocks": gpu,
+            "offload_blocks": blocks - gpu,
+        }
+        for r, (blocks, gpu) in replicas.items()
+    }
+
+
+COMMON = ("--model", "llama", "--block-size", "4")
+
+
+def test_lookup_prints_placement(filled: str) -> None:
+    out = placement(run("--redis", filled, *COMMON, "--tokens", ",".join(map(str, TOKENS))))
+    assert out == {
+        "model": "llama",
+        "block_size": 4,
+        "tokens": 16,
+        "blocks": 4,
+        "replicas": expected(r1=(4, 4), r2=(2, 1)),
+    }
+    assert list(out["replicas"]) == ["r1", "r2"]  # longest match first
+
+
+def test_lookup_with_lora_partial_block_and_env(filled: str) -> None:
+    tokens = ",".join(map(str, TOKENS[:6]))
+    env = {"KVROUTER_LOOKUP_REDIS": filled, "KVROUTER_LOOKUP_MODEL": "mistral"}
+    out = placement(
+        run("--model", "llama", "--block-size", "4", "--lora", "a", "--tokens", tokens, env=env)
+    )
+    assert (out["tokens"], out["blocks"]) == (6, 1)
+    assert out["replicas"] == expected(r3=(1, 1))
+    other_model = placement(run("--block-size", "4", "--tokens", tokens, env=env))
+    assert other_model["model"] == "mistral"
+    assert other_model["replicas"] == {}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(json.dumps(TOKENS), id="json-array"),
+        pytest.param(",".join(map(str, TOKENS)), id="comma"),
+        pytest.param(
+            "\n".join(" ".join(map(str, TOKENS[i : i + 4])) for i in range(0, 16, 4)) + "\n",
+            id="whitespace",
+        ),
+    ],
+)
+def test_lookup_tokens_file(filled: str, tmp_path: Path, content: str) -> None:
+    path = tmp_path / "tokens.txt"
+    path.write_text(content)
+    out = placement(run("--redis", filled, *COMMON, "--tokens-file", str(path)))
+    assert out["replicas"] == expected(r1=(4, 4), r2=(2, 1))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(("--tokens", "1,x,3"), id="not-an-int"),
+        pytest.param(("--tokens=-1,2",), id="negative"),
+        pytest.param(("--tokens", str(1 << 32)), id="too-big"),
+        pytest.param(("--tokens", "[1, 2"), id="bad-json"),
+        pytest.param(("--tokens", '["a"]'), id="json-string"),
+        pytest.param(("--tokens-file", "/nonexistent/tokens.json"), id="missing-file"),
+        pytest.param(("--tokens", "1", "--tokens-file", "/dev/null"), id="both"),
+        pytest.param((), id="neither"),
+    ],
+)
+def test_bad_tokens_exit_with_a_message(redis_url: str, args: tuple[str, ...]) -> None:
+    result = run("--redis", redis_url, *COMMON, *args)
+    assert result.returncode == 2
+    assert "kvrouter lookup" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_unreachable_redis_exits_1() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = run("--redis", url, *COMMON, "--tokens", ",".join(map(str, TOKENS)))
+    assert result.returncode == 1
+    assert "kvrouter lookup:" in result.stderr
+    assert "redis" in result.stderr.lower()
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_bad_redis_url_exits_2() -> None:
+    result = run("--redis", "http://127.0.0.1:1", *COMMON, "--tokens", ",".join(map(str, TOKENS)))
+    assert result.returncode == 2
+    assert "Redis URL" in result.stderr
+    assert "Traceback" not in result.stderr

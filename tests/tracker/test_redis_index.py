@@ -1,0 +1,504 @@
+"""RedisIndex specifics: restart restore, outages, cluster safety, rid reuse, memory."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import re
+import signal
+import socket
+import time
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from tests.procs import RedisServer, free_port
+from tracker import keys as schema
+from tracker import lua
+from tracker.blocks import Namespace, block_keys
+from tracker.errors import ConfigError, IndexUnavailableError
+from tracker.events import BlockRemoved, BlockStored, Event, EventBatch
+from tracker.index import ReplicaRecord
+from tracker.redis_index import OPS_PER_CALL, RedisIndex
+
+NS = Namespace("llama", 4)
+SEQ = list(range(1000, 1016))  # 4 blocks
+OTHER = list(range(2000, 2016))
+
+
+def engine_hashes(tokens: list[int]) -> list[int]:
+    """Stand-ins for vLLM's chained block hashes (another chain than the index keys)."""
+    return block_keys(tokens, Namespace("engine", NS.block_size))
+
+
+def engine_hash(tokens: list[int], block: int) -> int:
+    return engine_hashes(tokens[: (block + 1) * NS.block_size])[block]
+
+
+def store(tokens: list[int], blocks: range | None = None) -> BlockStored:
+    blocks = blocks if blocks is not None else range(len(tokens) // NS.block_size)
+    hashes = engine_hashes(tokens[: blocks.stop * NS.block_size])
+    parent = hashes[blocks.start - 1] if blocks.start else None
+    return BlockStored(
+        hashes[blocks.start : blocks.stop],
+        parent,
+        tokens[blocks.start * NS.block_size : blocks.stop * NS.block_size],
+        NS.block_size,
+        medium="GPU",
+    )
+
+
+def offload(tokens: list[int], *blocks: int) -> BlockStored:
+    return BlockStored([engine_hash(tokens, b) for b in blocks], None, [], 0, medium="CPU")
+
+
+def remove(tokens: list[int], *blocks: int, medium: str = "GPU") -> BlockRemoved:
+    return BlockRemoved([engine_hash(tokens, b) for b in blocks], medium)
+
+
+def batch(*events: Event) -> EventBatch:
+    return EventBatch(1700000000.0, list(events), 0)
+
+
+async def matches(index: RedisIndex, tokens: list[int]) -> dict[str, tuple[int, int]]:
+    found = await index.lookup(NS, block_keys(tokens, NS))
+    return {r: (m.blocks, m.gpu_blocks) for r, m in found.items()}
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A redis-server this test may stop, pause and restart (not the shared session one)."""
+    server = RedisServer().start()
+    yield server
+    if server.proc is not None and server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGCONT)
+    server.close()
+
+
+@pytest.fixture
+async def index_factory(redis_url: str) -> AsyncIterator[Callable[..., RedisIndex]]:
+    made: list[RedisIndex] = []
+
+    def make(url: str = redis_url, **kwargs: Any) -> RedisIndex:
+        made.append(RedisIndex.from_url(url, **kwargs))
+        return made[-1]
+
+    yield make
+    for index in made:
+        await index.close()
+
+
+# ------------------------------------------------------------------ tracker restart
+
+
+async def test_restart_restores_ledger_from_engine_map(index_factory: Any) -> None:
+    first = index_factory()
+    await first.apply("r1", NS, batch(store(SEQ), store(SEQ, range(2))), 7)  # blocks 0-1 twice
+    await first.apply("r1", NS, batch(offload(SEQ, 3)), 8)
+    await first.apply("r2", NS, batch(store(OTHER)), 3)
+    await first.close()
+
+    second = index_factory()
+    assert await second.block_count("r1", NS) == 4
+    assert await second.last_seq("r1", NS) == 8
+    assert await matches(second, SEQ) == {"r1": (4, 4)}
+    # Ref counts survived the restart: blocks 0-1 need two removals each.
+    await second.apply("r1", NS, batch(remove(SEQ, 0, 3)), 9)
+    assert await matches(second, SEQ) == {"r1": (4, 3)}
+    await second.apply("r1", NS, batch(remove(SEQ, 0)), 10)
+    assert await matches(second, SEQ) == {}
+    await second.apply("r1", NS, batch(remove(SEQ, 3, medium="CPU")), 11)
+    assert await second.block_count("r1", NS) == 2  # blocks 1 and 2
+    # New blocks chain onto restored ones.
+    await second.apply("r2", NS, batch(remove(OTHER, 3), store(OTHER, range(3, 4))), 4)
+    assert await matches(second, OTHER) == {"r2": (4, 4)}
+    third = index_factory()
+    assert await third.block_count("r1", NS) == 2
+    assert await third.block_count("r2", NS) == 4
+    assert await third.last_seq("r1", NS) == 11
+
+
+async def test_restart_after_clear_and_forget_restores_nothing(index_factory: Any) -> None:
+    first = index_factory()
+    await first.apply("r1", NS, batch(store(SEQ)), 1)
+    await first.apply("r2", NS, batch(store(SEQ)), 1)
+    await first.clear("r1", NS)
+    await first.forget("r2", NS)
+    second = index_factory()
+    assert await second.block_count("r1", NS) == 0
+    assert await second.block_count("r2", NS) == 0
+    assert await second.last_seq("r1", NS) is None
+    assert await matches(second, SEQ) == {}
+
+
+# ------------------------------------------------------------------ outages
+
+
+async def test_pending_writes_survive_a_paused_redis(own_server: RedisServer) -> None:
+    index = RedisIndex.from_url(own_server.url, timeout_s=0.3)
+    try:
+        await index.apply("r1", NS, batch(store(SEQ, range(2)), store(OTHER, range(1))), 1)
+        assert own_server.proc is not None
+        os.kill(own_server.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(IndexUnavailableError):
+                await index.apply("r1", NS, batch(store(SEQ, range(2, 4))), 2)
+            with pytest.raises(IndexUnavailableError):
+                await index.apply("r1", NS, batch(store(OTHER, range(1, 4))), 3)
+            with pytest.raises(IndexUnavailableError):
+                await index.apply("r1", NS, batch(remove(OTHER, 3)), 4)
+            assert await index.last_seq("r1", NS) == 4  # answered from the pending write
+            assert await index.flush() == 1
+        finally:
+            os.kill(own_server.proc.pid, signal.SIGCONT)
+        # Requests that timed out during the pause are still queued in the server; let them
+        # run before checking, they carry older (idempotent) states of the same pending write.
+        await asyncio.sleep(0.3)
+        assert await index.flush() == 0
+        assert await index.flush() == 0
+        fresh = RedisIndex.from_url(own_server.url)
+        try:
+            assert await matches(fresh, SEQ) == {"r1": (4, 4)}
+            assert await matches(fresh, OTHER) == {"r1": (3, 3)}
+            assert await fresh.last_seq("r1", NS) == 4
+            assert await fresh.block_count("r1", NS) == 7
+        finally:
+            await fresh.close()
+    finally:
+        await index.close()
+
+
+async def test_redis_restarted_empty_gets_the_whole_state_back(own_server: RedisServer) -> None:
+    index = RedisIndex.from_url(own_server.url, timeout_s=0.5)
+    try:
+        await index.apply("r1", NS, batch(store(SEQ, range(2))), 1)
+        await index.apply("r2", NS, batch(store(OTHER)), 1)
+        own_server.stop()
+        with pytest.raises(IndexUnavailableError):
+            await index.apply("r1", NS, batch(store(SEQ, range(2, 4))), 2)
+        assert await index.flush() == 1
+        own_server.start()  # same port, no data
+        assert await index.flush() == 0
+        # r1 had a pending write: Redis lost its id, so its whole state was written again.
+        assert await matches(index, SEQ) == {"r1": (4, 4)}
+        assert await index.last_seq("r1", NS) == 2
+        # r2 was idle: its state comes back with its next batch.
+        assert await matches(index, OTHER) == {}
+        await index.apply("r2", NS, batch(), 2)
+        assert await matches(index, OTHER) == {"r2": (4, 4)}
+        restarted = RedisIndex.from_url(own_server.url)
+        try:
+            assert await restarted.block_count("r1", NS) == 4
+            assert await restarted.block_count("r2", NS) == 4
+        finally:
+            await restarted.close()
+    finally:
+        await index.close()
+
+
+async def test_rid_taken_after_data_loss_is_reallocated(own_server: RedisServer) -> None:
+    index = RedisIndex.from_url(own_server.url, timeout_s=0.5)
+    other = RedisIndex.from_url(own_server.url, timeout_s=0.5)
+    try:
+        await index.apply("r1", NS, batch(store(SEQ)), 1)
+        old_rid = await index.rid("r1", NS)
+        own_server.stop()
+        own_server.start()
+        # Another tracker registers a new replica first and is handed r1's old id.
+        await other.apply("r3", NS, batch(store(OTHER)), 1)
+        assert await other.rid("r3", NS) == old_rid
+        await index.apply("r1", NS, batch(store(SEQ, range(1))), 2)
+        assert await index.rid("r1", NS) != old_rid
+        assert await matches(index, SEQ) == {"r1": (4, 4)}
+        assert await matches(index, OTHER) == {"r3": (4, 4)}
+        assert await index.last_seq("r1", NS) == 2
+    finally:
+        await index.close()
+        await other.close()
+
+
+async def test_unreachable_redis_raises_index_unavailable() -> None:
+    index = RedisIndex.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.3)
+    try:
+        with pytest.raises(IndexUnavailableError):
+            await index.apply("r1", NS, batch(store(SEQ)), 1)
+        with pytest.raises(IndexUnavailableError):
+            await index.lookup(NS, block_keys(SEQ, NS))
+        with pytest.raises(IndexUnavailableError):
+            await index.register(ReplicaRecord(id="r1", model="llama", block_size=4))
+        with pytest.raises(IndexUnavailableError):
+            await index.replicas()
+        with pytest.raises(IndexUnavailableError):
+            await index.deregister("r1")
+        assert not await index.ping()
+        assert await index.flush() == 0
+    finally:
+        await index.close()
+
+
+async def test_failed_multi_call_write_leaks_no_connection(own_server: RedisServer) -> None:
+    index = RedisIndex.from_url(own_server.url, timeout_s=0.5)
+    tokens = list(range(4 * (OPS_PER_CALL + 10)))
+    try:
+        await index.apply("r1", NS, batch(store(SEQ)), 1)
+        own_server.stop()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                with pytest.raises(IndexUnavailableError):
+                    await index.apply("r1", NS, batch(store(tokens)), 2)
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+        own_server.start()
+        assert await index.flush() == 0
+        found = await index.lookup(NS, block_keys(tokens, NS))
+        assert found["r1"].blocks == OPS_PER_CALL + 10
+    finally:
+        await index.close()
+
+
+def test_bad_url_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="Redis URL"):
+        RedisIndex.from_url("http://127.0.0.1:6379")
+
+
+# ------------------------------------------------------------------ cluster safety
+
+
+def hash_tag(key: str) -> str:
+    """The part of ``key`` Redis Cluster hashes (its ``{...}`` tag, else the whole key)."""
+    start = key.find("{")
+    if start != -1:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
+_ARG = re.compile(r'"((?:[^"\\]|\\.)*)"')
+_KEYED = {"HGET", "HSET", "HDEL", "HMGET", "HGETALL", "GET", "SET", "INCR", "DECR"}
+_KEYED |= {"SPOP", "SADD", "SREM", "SISMEMBER", "HEXISTS", "EXISTS", "DEL"}
+_KEYLESS = {"TIME"}
+
+
+class Monitor:
+    """Records which keys each script call declared and touched (Redis MONITOR)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.sock.sendall(b"MONITOR\r\n")
+        self.buffer = b""
+        assert self._line() == "+OK"
+
+    def _line(self) -> str:
+        while b"\r\n" not in self.buffer:
+            self.buffer += self.sock.recv(1 << 16)
+        line, self.buffer = self.buffer.split(b"\r\n", 1)
+        return line.decode("latin-1")
+
+    def calls(self, client: redis.Redis) -> list[tuple[str, list[str], set[str]]]:
+        """(script sha, declared keys, touched keys) of every script run so far."""
+        marker = f"monitor-end-{time.monotonic_ns()}"
+        client.echo(marker)
+        out: list[tuple[str, list[str], set[str]]] = []
+        while True:
+            line = self._line()
+            if marker in line:
+                self.sock.close()
+                return out
+            args = _ARG.findall(line)
+            if "[0 lua]" in line:
+                command = args[0].upper()
+                assert command in _KEYED | _KEYLESS, f"unexpected script command {command}"
+                if command in _KEYED:
+                    out[-1][2].add(args[1])
+            elif args and args[0].upper() in ("EVALSHA", "EVAL"):
+                declared = args[3 : 3 + int(args[2])]
+                out.append((args[1], declared, set(declared)))
+
+
+@pytest.fixture(scope="module")
+def cluster_server() -> Iterator[RedisServer]:
+    """A one-node Redis Cluster owning every slot: cross-slot requests fail as on a cluster."""
+    server = RedisServer(
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-port",
+        str(free_port()),
+    ).start()
+    with redis.Redis.from_url(server.url) as client:
+        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        deadline = time.monotonic() + 10
+        while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline, "cluster did not come up"
+            time.sleep(0.02)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def cluster_url(cluster_server: RedisServer) -> str:
+    with redis.Redis.from_url(cluster_server.url) as client:
+        client.flushall()
+    return cluster_server.url
+
+
+async def exercise(index: RedisIndex) -> None:
+    """Every index operation, including multi-call writes and a restore."""
+    big = list(range(4 * (OPS_PER_CALL + 1)))
+    await index.apply("r1", NS, batch(store(SEQ), offload(SEQ, 0)), 1)
+    await index.apply("r2", NS, batch(store(big)), 1)
+    await index.apply("r1", NS, batch(remove(SEQ, 3)), 2)
+    assert await matches(index, SEQ) == {"r1": (3, 3)}
+    assert (await index.lookup(NS, block_keys(big, NS)))["r2"].blocks == OPS_PER_CALL + 1
+    assert await index.last_seq("r1", NS) == 2
+    await index.register(ReplicaRecord(id="r1", model="llama", block_size=4, ttl_s=0.01))
+    assert [r.id for r in await index.replicas()] == ["r1"]
+    await asyncio.sleep(0.05)
+    assert [r.id for r in await index.reap()] == ["r1"]
+    await index.register(ReplicaRecord(id="r2", model="llama", block_size=4))
+    await index.deregister("r2")
+    await index.clear("r2", NS)
+    await index.forget("r1", NS)
+    await index.apply("r3", NS, batch(store(OTHER)), 1)
+    restored = RedisIndex(index.client)
+    assert await restored.block_count("r3", NS) == 4
+
+
+async def test_every_operation_works_on_redis_cluster(cluster_url: str) -> None:
+    index = RedisIndex.from_url(cluster_url)
+    try:
+        await exercise(index)
+    finally:
+        await index.close()
+
+
+async def test_each_script_call_stays_in_one_slot(
+    cluster_server: RedisServer, cluster_url: str
+) -> None:
+    monitor = Monitor(cluster_server.port)
+    index = RedisIndex.from_url(cluster_url)
+    try:
+        await exercise(index)
+    finally:
+        await index.close()
+    with redis.Redis.from_url(cluster_url) as client:
+        calls = monitor.calls(client)
+        shas = {
+            name: client.script_load(getattr(lua, name))
+            for name in ("APPLY", "LOOKUP", "RID", "RELEASE_RID", "HEARTBEAT", "REGISTRY")
+        }
+        assert {sha for sha, _, _ in calls} == set(shas.values())
+        by_sha = {sha: name for name, sha in shas.items()}
+        every_key = sorted(set().union(*(touched for _, _, touched in calls)))
+        with client.pipeline(transaction=False) as pipe:
+            for key in every_key:
+                pipe.execute_command("CLUSTER", "KEYSLOT", key)
+            slot_of = dict(zip(every_key, pipe.execute(), strict=True))
+        for sha, declared, touched in calls:
+            slots = {slot_of[key] for key in touched}
+            assert len(slots) == 1, (by_sha[sha], touched)
+            tags = {hash_tag(key) for key in touched | set(declared)}
+            assert len(tags) == 1, (by_sha[sha], touched)
+            if by_sha[sha] in ("APPLY", "LOOKUP", "RID", "RELEASE_RID"):
+                assert tags == {schema.nsid(NS)}
+            else:
+                assert tags == {"replicas"}
+        apply_keys = set().union(*(t for s, _, t in calls if by_sha[s] == "APPLY"))
+        assert any(":b:" in key for key in apply_keys)
+        assert any(":e:" in key for key in apply_keys)
+
+
+@pytest.mark.parametrize(
+    ("key", "tag"),
+    [("a{b}c", "b"), ("a{}c{d}", "a{}c{d}"), ("{x}{y}", "x"), ("plain", "plain"), ("a{b", "a{b")],
+)
+def test_hash_tag_rule(key: str, tag: str) -> None:
+    assert hash_tag(key) == tag
+
+
+def test_schema_keys_of_a_namespace_share_its_tag() -> None:
+    nk = schema.NamespaceKeys(NS)
+    names = [nk.rid, nk.rname, nk.ridseq, nk.ridfree, nk.seq, nk.load]
+    names += [nk.block_bucket(0), nk.block_bucket((1 << 64) - 1), nk.prediction_bucket(5)]
+    names += [*nk.engine_buckets(16383)[:3], nk.engine_bucket(7, (1 << 64) - 1)]
+    assert {hash_tag(n) for n in names} == {schema.nsid(NS)}
+    assert hash_tag(schema.REPLICAS) == hash_tag(schema.REPLICAS_SEEN)
+    assert schema.NamespaceKeys(Namespace("llama", 4, "lora")).tag == nk.tag
+    assert schema.NamespaceKeys(Namespace("llama", 8)).tag != nk.tag
+
+
+# ------------------------------------------------------------------ replica ids
+
+
+async def test_rid_is_reused_after_forget(index_factory: Any, redis_url: str) -> None:
+    index = index_factory()
+    await index.apply("r1", NS, batch(store(SEQ)), 1)
+    await index.apply("r2", NS, batch(store(OTHER)), 1)
+    rid1 = await index.rid("r1", NS)
+    assert await index.forget("r1", NS) == 4
+    assert await matches(index, SEQ) == {}
+    assert await index.last_seq("r1", NS) is None
+    await index.apply("r3", NS, batch(store(SEQ, range(2))), 1)
+    assert await index.rid("r3", NS) == rid1
+    assert await matches(index, SEQ) == {"r3": (2, 2)}
+    assert await matches(index, OTHER) == {"r2": (4, 4)}
+    # The departed replica comes back under a new id, with an empty ledger.
+    await index.apply("r1", NS, batch(store(SEQ, range(1))), 5)
+    assert await index.rid("r1", NS) not in (rid1, await index.rid("r2", NS))
+    assert await matches(index, SEQ) == {"r3": (2, 2), "r1": (1, 1)}
+    # A restarted tracker restores exactly what each id holds now.
+    restarted = index_factory()
+    assert await restarted.block_count("r3", NS) == 2
+    assert await restarted.block_count("r1", NS) == 1
+    assert await restarted.block_count("r2", NS) == 4
+
+
+async def test_rids_are_per_namespace(index_factory: Any) -> None:
+    index = index_factory()
+    other = Namespace("mistral", 4)
+    assert await index.rid("a", NS) == 1
+    assert await index.rid("b", NS) == 2
+    assert await index.rid("b", other) == 1
+    assert await index.rid("a", NS) == 1
+    assert await index_factory().rid("b", NS) == 2
+
+
+# ------------------------------------------------------------------ memory
+
+
+async def _used_memory(client: redis.asyncio.Redis) -> int:
+    return int((await client.info("memory"))["used_memory"])
+
+
+async def test_memory_per_block_and_replica(index_factory: Any, redis_url: str) -> None:
+    """Sanity bound, not a benchmark: bench/index_bench.py measures the real figure."""
+    blocks = 10_000
+    tokens = [(i * 7919) % 50_000 for i in range(blocks * NS.block_size)]
+    index = index_factory()
+    hashes = list(range(1 << 40, (1 << 40) + blocks))
+    event = BlockStored(hashes, None, tokens, NS.block_size, medium="GPU")
+    await index.apply("warm-up", NS, batch(store(SEQ)), 0)
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        before = await _used_memory(client)
+        await index.apply("r0", NS, batch(event), 1)
+        first = (await _used_memory(client) - before) / blocks
+        for r in range(1, 4):
+            await index.apply(f"r{r}", NS, batch(event), 1)
+        per_pair = (await _used_memory(client) - before) / (4 * blocks)
+    finally:
+        await client.aclose()
+    found = await index.lookup(NS, block_keys(tokens, NS))
+    assert {r: m.blocks for r, m in found.items()} == {f"r{r}": blocks for r in range(4)}
+    # A fleet shares its blocks: amortized over 4 replicas a (block, replica) costs < 100 B.
+    assert per_pair < 100, per_pair
+    # A lone replica with few blocks pays for sparse buckets: ~one Redis hash key per block
+    # below ~10^5 blocks per namespace (2**16 buckets), hence the looser bound.
+    assert first < 250, first

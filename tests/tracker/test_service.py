@@ -1,0 +1,241 @@
+"""TrackerService: HTTP endpoints, registry discovery, fencing, reaping and lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.procs import free_port
+from tests.tracker.publisher import EventPublisher
+from tests.tracker.test_subscriber import (
+    A_TOKENS,
+    ANY,
+    NS,
+    ROOTS,
+    block_a,
+    held,
+    root,
+    sample,
+    settings,
+    wait_until,
+)
+from tracker.blocks import Namespace
+from tracker.index import BlockIndex, MemoryIndex, ReplicaRecord
+from tracker.redis_index import RedisIndex
+from tracker.service import TrackerService, static_targets
+from tracker.streams import ReplicaTarget
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+async def publisher(zctx: zmq.asyncio.Context) -> AsyncIterator[EventPublisher]:
+    pub = await EventPublisher(zctx, ANY).start()
+    yield pub
+    await pub.close()
+
+
+@pytest.fixture
+async def make_service() -> AsyncIterator[Callable[..., Any]]:
+    services: list[TrackerService] = []
+
+    async def make(index: BlockIndex, **overrides: Any) -> TrackerService:
+        service = TrackerService(settings(**overrides), index, CollectorRegistry())
+        await service.start()
+        services.append(service)
+        return service
+
+    yield make
+    for service in services:
+        await service.stop()
+
+
+def _blocks(service: TrackerService, replica: str) -> int | None:
+    stream = service.subscriber.get(replica)
+    return None if stream is None else stream.blocks
+
+
+async def _empty(placements: Awaitable[dict[str, int]]) -> bool:
+    return not await placements
+
+
+def record(pub: EventPublisher, **fields: Any) -> ReplicaRecord:
+    values: dict[str, Any] = {
+        "id": "r9",
+        "model": "m",
+        "block_size": 4,
+        "events": pub.endpoint,
+        "instance": "a",
+        "ttl_s": 30.0,
+    }
+    values.update(fields)
+    return ReplicaRecord(**values)
+
+
+def test_static_targets_take_namespace_from_spec_or_settings() -> None:
+    config = settings(
+        replica=(
+            "r1=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558",
+            "r2=tcp://h:1,model=x,block_size=8",
+        ),
+    )
+    assert static_targets(config) == [
+        ReplicaTarget("r1", NS, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),
+        ReplicaTarget("r2", Namespace("x", 8), "tcp://h:1"),
+    ]
+
+
+async def test_metrics_and_health_endpoints(make_service: Any, publisher: EventPublisher) -> None:
+    service = await make_service(
+        MemoryIndex(), replica=(f"r1={publisher.endpoint}",), http_port=free_port()
+    )
+    await publisher.wait_subscribed()
+    await publisher.publish(block_a())
+    stream = service.subscriber.get("r1")
+    assert stream is not None
+    await wait_until(lambda: stream.last == 0)
+
+    base = f"http://127.0.0.1:{service.http_port}"
+    async with httpx.AsyncClient(base_url=base) as client:
+        health = await client.get("/health")
+        scraped = await client.get("/metrics")
+    assert health.status_code == 200
+    body = health.json()
+    assert body["status"] == "ok"
+    assert body["index"]["reachable"] is True
+    assert body["replicas"]["r1"]["last_seq"] == 0
+    assert body["replicas"]["r1"]["blocks"] == 2
+    assert body["replicas"]["r1"]["mode"] == "connect"
+
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(scraped.text)
+        for s in family.samples
+    }
+    assert samples[("kvrouter_tracker_events_total", (("type", "BlockStored"),))] == 1
+    assert samples[("kvrouter_tracker_replica_blocks", (("replica", "r1"),))] == 2
+    assert samples[("kvrouter_tracker_replicas", ())] == 1
+    assert samples[("kvrouter_tracker_resets_total", (("cause", "seq_reset"),))] == 0
+
+
+async def test_registry_discovery_fencing_and_reaping(
+    make_service: Any, publisher: EventPublisher, redis_index: RedisIndex
+) -> None:
+    service = await make_service(redis_index, reap_interval_s=0.05)
+    await redis_index.register(record(publisher))
+    await wait_until(lambda: service.subscriber.get("r9") is not None, what="discovery")
+    await publisher.wait_subscribed()
+    await publisher.publish(block_a())
+    await wait_until(lambda: held(redis_index, A_TOKENS), what="blocks applied")
+    assert await held(redis_index, A_TOKENS) == {"r9": 2}
+
+    await redis_index.register(record(publisher, instance="b"))  # the engine restarted
+    await wait_until(
+        lambda: (
+            sample(service.registry, "kvrouter_tracker_resets_total", cause="instance_change") == 1
+        )
+    )
+    await wait_until(lambda: _blocks(service, "r9") == 0)
+    assert await held(redis_index, A_TOKENS) == {}
+    await publisher.publish(root("D"))
+    await wait_until(lambda: held(redis_index, ROOTS["D"][0]), what="new blocks applied")
+
+    await redis_index.register(record(publisher, instance="b", ttl_s=0.2))  # then goes silent
+    await wait_until(lambda: service.subscriber.get("r9") is None, what="expiry")
+    await wait_until(lambda: _empty(held(redis_index, ROOTS["D"][0])), what="blocks forgotten")
+    assert sample(service.registry, "kvrouter_tracker_resets_total", cause="expired") == 1
+    assert sample(service.registry, "kvrouter_tracker_replicas") == 0
+    assert await redis_index.replicas() == []
+
+
+async def test_deregistered_replica_is_forgotten(
+    make_service: Any, publisher: EventPublisher
+) -> None:
+    index = MemoryIndex()
+    service = await make_service(index, reap_interval_s=0.05)
+    await index.register(record(publisher))
+    await wait_until(lambda: service.subscriber.get("r9") is not None)
+    await publisher.wait_subscribed()
+    await publisher.publish(block_a())
+    await wait_until(lambda: held(index, A_TOKENS))
+
+    await index.deregister("r9")
+    await wait_until(lambda: service.subscriber.get("r9") is None)
+    await wait_until(lambda: _empty(held(index, A_TOKENS)), what="blocks forgotten")
+
+
+async def test_unusable_registry_records_are_skipped(
+    make_service: Any, publisher: EventPublisher
+) -> None:
+    index = MemoryIndex()
+    service = await make_service(index, reap_interval_s=0.05)
+    await index.register(record(publisher, id="bad-endpoint", events="tcp://*:5557"))
+    await index.register(record(publisher, id="no-endpoint", events=None))
+    await index.register(record(publisher))
+    await wait_until(lambda: service.subscriber.get("r9") is not None)
+    await publisher.wait_subscribed()
+    await publisher.publish(block_a())
+    await wait_until(lambda: held(index, A_TOKENS))
+    assert set(service.subscriber.status()) == {"r9"}
+    assert (await service.health())["status"] == "ok"
+
+
+async def test_static_replica_expiry_clears_but_keeps_tracking(
+    make_service: Any, publisher: EventPublisher
+) -> None:
+    index = MemoryIndex()
+    service = await make_service(index, replica=(f"r9={publisher.endpoint}",), reap_interval_s=0.05)
+    await publisher.wait_subscribed()
+    await publisher.publish(block_a())
+    await wait_until(lambda: held(index, A_TOKENS))
+    await index.register(record(publisher, ttl_s=0.1))
+    await wait_until(
+        lambda: sample(service.registry, "kvrouter_tracker_resets_total", cause="expired") == 1
+    )
+    await wait_until(lambda: _blocks(service, "r9") == 0)
+    assert await held(index, A_TOKENS) == {}
+    await publisher.publish(root("D"))  # still tracked
+    await wait_until(lambda: held(index, ROOTS["D"][0]))
+
+
+async def test_run_returns_zero_when_stopped() -> None:
+    service = TrackerService(settings(http_port=free_port()), MemoryIndex(), CollectorRegistry())
+    task = asyncio.create_task(service.run())
+    await wait_until(lambda: service.http_port is not None)
+    async with httpx.AsyncClient() as client:
+        response = await client.get(f"http://127.0.0.1:{service.http_port}/health")
+    assert response.json() == {
+        "status": "ok",
+        "index": {"backend": "MemoryIndex", "reachable": True, "writes_pending": False},
+        "replicas": {},
+    }
+    service.request_stop()
+    async with asyncio.timeout(5):
+        assert await task == 0
+
+
+async def test_run_returns_one_when_startup_fails() -> None:
+    context = zmq.asyncio.Context()
+    taken = context.socket(zmq.PUB)
+    try:
+        taken.bind("tcp://127.0.0.1:*")
+        endpoint = taken.getsockopt_string(zmq.LAST_ENDPOINT)
+        service = TrackerService(settings(bind=endpoint), MemoryIndex(), CollectorRegistry())
+        async with asyncio.timeout(5):
+            assert await service.run() == 1
+    finally:
+        taken.close(linger=0)
+        context.destroy(linger=0)

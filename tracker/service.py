@@ -1,0 +1,377 @@
+"""TrackerService: startup -> main loop -> bounded graceful shutdown, and ``run(settings)``.
+
+The service owns the subscriber (one stream per replica), the registry loop (expire replicas
+that stopped heartbeating, discover new ones, fence restarted ones) and a small HTTP server
+with ``/metrics`` and ``/health`` running on the same event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Coroutine, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import uvicorn
+import zmq
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tracker.blocks import Namespace
+from tracker.config import TrackerSettings
+from tracker.errors import IndexUnavailableError
+from tracker.index import BlockIndex, MemoryIndex, ReplicaRecord
+from tracker.metrics import TrackerMetrics
+from tracker.streams import ReplicaTarget
+from tracker.subscriber import Subscriber
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class _Pinging(Protocol):
+    async def ping(self) -> bool: ...
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the service decides when to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def static_targets(settings: TrackerSettings) -> list[ReplicaTarget]:
+    """The replicas given with ``--replica``, in the settings' namespace unless overridden."""
+    return [
+        ReplicaTarget(
+            spec.id,
+            Namespace(spec.model or settings.model, spec.block_size or settings.block_size),
+            spec.events,
+            spec.replay,
+        )
+        for spec in settings.replica_specs
+    ]
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class TrackerService:
+    """Consumes KV events of every tracked replica into ``index``.
+
+    Args:
+        settings: the tracker's frozen settings.
+        index: the block index (not closed by the service: the caller owns it).
+        registry: where the service's metrics are registered.
+    """
+
+    def __init__(
+        self, settings: TrackerSettings, index: BlockIndex, registry: CollectorRegistry
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.registry = registry
+        self.metrics = TrackerMetrics(registry)
+        self.subscriber = Subscriber(settings, index, self.metrics, on_failure=self._crashed)
+        self.http_port: int | None = None
+        self._static = {target.id: target for target in static_targets(settings)}
+        self._discovered: dict[str, ReplicaTarget] = {}
+        self._instances: dict[str, str] = {}
+        self._rejected: dict[str, ReplicaTarget | None] = {}
+        self._stopping = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: _EmbeddedServer | None = None
+        self._server_task: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+        self._started = False
+        self._stopped = False
+
+    # ----------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Bind sockets, start the static replicas, the registry loop and the HTTP server."""
+        self._started = True
+        await self.subscriber.start()
+        for target in self._static.values():
+            self.subscriber.track(target)
+        self._spawn(self._registry_loop(), "registry")
+        if self.settings.http_port:
+            await self._start_http()
+        logger.info(
+            "tracker started",
+            extra={
+                "replicas": len(self._static),
+                "bind": self.subscriber.bound_endpoint,
+                "index": type(self.index).__name__,
+                "http_port": self.http_port,
+            },
+        )
+
+    async def run(self) -> int:
+        """Start if needed, serve until :meth:`request_stop`, stop; returns an exit status."""
+        if not self._started:
+            try:
+                await self.start()
+            except (OSError, zmq.ZMQError) as exc:
+                logger.error("tracker failed to start", extra={"error": str(exc)})
+                await self.stop()
+                return 1
+        await self._stopping.wait()
+        await self.stop()
+        return 0 if self._failure is None else 1
+
+    def request_stop(self) -> None:
+        """Ask the main loop to shut down (safe from a signal handler)."""
+        if not self._stopping.is_set():
+            logger.info("tracker stop requested")
+            self._stopping.set()
+
+    async def stop(self) -> None:
+        """Bounded graceful shutdown: drain queued events, flush the index, cancel the rest."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stopping.set()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.shutdown_timeout_s
+        own = list(self._tasks)
+        if own:
+            _, pending = await asyncio.wait(own, timeout=max(0.0, deadline - loop.time()))
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        counts = await self.subscriber.stop(max(0.0, deadline - loop.time()))
+        if self._server is not None and self._server_task is not None:
+            self._server.should_exit = True
+            try:
+                async with asyncio.timeout(max(1.0, deadline - loop.time())):
+                    await asyncio.shield(self._server_task)
+            except TimeoutError:
+                self._server_task.cancel()
+                await asyncio.wait([self._server_task])
+        logger.info("tracker stopped", extra=counts)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error(
+            "tracker task crashed", exc_info=task.exception(), extra={"task": task.get_name()}
+        )
+        self._crashed(task.exception() or RuntimeError(task.get_name()))
+
+    def _crashed(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self.request_stop()
+
+    # ----------------------------------------------------------- registry
+
+    async def _registry_loop(self) -> None:
+        failing = False
+        while not self._stopping.is_set():
+            try:
+                await self._registry_pass()
+                if failing:
+                    logger.info("replica registry reachable again")
+                failing = False
+            except IndexUnavailableError as exc:
+                if not failing:
+                    logger.warning("replica registry unavailable", extra={"error": str(exc)})
+                failing = True
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.reap_interval_s):
+                    await self._stopping.wait()
+
+    async def _registry_pass(self) -> None:
+        for record in await self.index.reap():
+            await self._expire(record)
+        if self.settings.discover:
+            await self._reconcile(await self.index.replicas())
+
+    async def _expire(self, record: ReplicaRecord) -> None:
+        logger.warning("replica expired", extra={"replica": record.id})
+        self._instances.pop(record.id, None)
+        if record.id in self._static:
+            # Still configured: drop what it held; its stream resyncs when it speaks again.
+            self.subscriber.fence(record.id, "expired", catch_up=False)
+            return
+        target = self._discovered.pop(record.id, None)
+        namespace = target.namespace if target is not None else record.namespace
+        held = await self.subscriber.forget(record.id, namespace)
+        self.metrics.resets.labels("expired").inc()
+        logger.info("expired replica forgotten", extra={"replica": record.id, "blocks": held})
+
+    async def _reconcile(self, records: list[ReplicaRecord]) -> None:
+        seen: set[str] = set()
+        for record in records:
+            seen.add(record.id)
+            previous = self._instances.get(record.id)
+            self._instances[record.id] = record.instance
+            restarted = bool(previous is not None and previous != record.instance)
+            if record.id in self._static:
+                if restarted:
+                    self.subscriber.fence(record.id, "instance_change")
+                continue
+            await self._adopt(record, restarted)
+        for replica in [r for r in self._rejected if r not in seen]:
+            del self._rejected[replica]
+        for replica in [r for r in self._discovered if r not in seen]:
+            target = self._discovered.pop(replica)
+            self._instances.pop(replica, None)
+            held = await self.subscriber.forget(replica, target.namespace)
+            logger.info("replica deregistered", extra={"replica": replica, "blocks": held})
+
+    async def _adopt(self, record: ReplicaRecord, restarted: bool) -> None:
+        if record.block_size <= 0:
+            self._reject(record.id, None, "invalid block size")
+            return
+        target = ReplicaTarget(
+            record.id, record.namespace, record.events, record.replay, record.instance
+        )
+        if self._rejected.get(record.id) == target:
+            return  # already reported
+        if target.events is None and not self.settings.bind:
+            self._reject(record.id, target, "no events endpoint and --bind is not set")
+            return
+        stream = self.subscriber.get(record.id)
+        if stream is not None and (stream.target.events, stream.namespace) != (
+            target.events,
+            target.namespace,
+        ):
+            if stream.namespace != target.namespace:
+                await self.subscriber.forget(record.id, stream.namespace)
+            else:
+                await self.subscriber.untrack(record.id)
+            stream = None
+        try:
+            self.subscriber.track(target)
+        except zmq.ZMQError as exc:
+            self._reject(record.id, target, str(exc))
+            return
+        self._rejected.pop(record.id, None)
+        if stream is None:
+            logger.info(
+                "replica discovered",
+                extra={"replica": record.id, "events": record.events, "replay": record.replay},
+            )
+        self._discovered[record.id] = target
+        if restarted:
+            self.subscriber.fence(record.id, "instance_change")
+
+    def _reject(self, replica: str, target: ReplicaTarget | None, reason: str) -> None:
+        if replica not in self._rejected or self._rejected[replica] != target:
+            logger.warning(
+                "cannot track registered replica", extra={"replica": replica, "reason": reason}
+            )
+        self._rejected[replica] = target
+
+    # ----------------------------------------------------------- HTTP
+
+    async def _start_http(self) -> None:
+        app = Starlette(
+            routes=[
+                Route("/metrics", self._metrics_endpoint),
+                Route("/health", self._health_endpoint),
+            ]
+        )
+        sock = _listen(self.settings.http_host, self.settings.http_port)
+        self.http_port = int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            http="h11",
+            ws="none",
+            timeout_graceful_shutdown=1,
+        )
+        self._server = _EmbeddedServer(config)
+        self._server_task = asyncio.get_running_loop().create_task(
+            self._server.serve(sockets=[sock]), name="http"
+        )
+        logger.info(
+            "http server listening",
+            extra={"host": self.settings.http_host, "port": self.http_port},
+        )
+
+    async def health(self) -> dict[str, Any]:
+        """Status, index reachability and each replica's sequence and block count."""
+        reachable = True
+        if isinstance(self.index, _Pinging):
+            try:
+                async with asyncio.timeout(1.0):
+                    reachable = await self.index.ping()
+            except TimeoutError:
+                reachable = False
+        ok = reachable and self._failure is None and not self._stopping.is_set()
+        return {
+            "status": "ok" if ok else "degraded",
+            "index": {
+                "backend": type(self.index).__name__,
+                "reachable": reachable,
+                "writes_pending": self.subscriber.index_down,
+            },
+            "replicas": self.subscriber.status(),
+        }
+
+    async def _metrics_endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _health_endpoint(self, request: Request) -> Response:
+        body = await self.health()
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+
+async def serve(settings: TrackerSettings) -> int:
+    """Build the index, run a service until SIGINT/SIGTERM, close the index."""
+    index: BlockIndex
+    if settings.redis:
+        from tracker.redis_index import RedisIndex  # noqa: PLC0415 - redis only when used
+
+        index = RedisIndex.from_url(settings.redis)
+    else:
+        index = MemoryIndex()
+    service = TrackerService(settings, index, CollectorRegistry())
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, service.request_stop)
+    try:
+        return await service.run()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await index.close()
+
+
+def run(settings: TrackerSettings) -> int:
+    """Entry point of ``kvrouter tracker``: returns the process exit status."""
+    return asyncio.run(serve(settings))
