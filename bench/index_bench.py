@@ -24,7 +24,14 @@ from typing import Any
 import redis as redis_sync
 
 from tracker.blocks import Namespace, block_keys
-from tracker.events import BlockStored, EventBatch, WireEra, decode_batch, encode_batch
+from tracker.events import (
+    BlockStored,
+    EventBatch,
+    ExternalHash,
+    WireEra,
+    decode_batch,
+    encode_batch,
+)
 from tracker.index import BlockIndex, MemoryIndex
 from tracker.redis_index import RedisIndex
 
@@ -96,11 +103,11 @@ def workload(
         prefix = [rng.randrange(128_000) for _ in range(prefix_blocks * bs)]
         holders = rng.sample(sorted(out), k=min(replicas, 1 + group % 3))
         for replica in holders:
-            hashes = [rng.getrandbits(64) for _ in range(prefix_blocks)]
+            hashes: list[ExternalHash] = [rng.getrandbits(64) for _ in range(prefix_blocks)]
             events: list[Any] = [BlockStored(hashes, None, prefix, bs, medium="GPU")]
             for _ in range(suffixes):
                 suffix = [rng.randrange(128_000) for _ in range(suffix_blocks * bs)]
-                own = [rng.getrandbits(64) for _ in range(suffix_blocks)]
+                own: list[ExternalHash] = [rng.getrandbits(64) for _ in range(suffix_blocks)]
                 events.append(BlockStored(own, hashes[-1], suffix, bs, medium="GPU"))
                 pairs += suffix_blocks
             pairs += prefix_blocks
@@ -130,7 +137,7 @@ async def lookup_latency(
     tokens = [rng.randrange(128_000) for _ in range(chain_blocks * bs)]
     for r in range(replicas):
         depth = chain_blocks if r == 0 else rng.randrange(1, chain_blocks)
-        hashes = [rng.getrandbits(64) for _ in range(depth)]
+        hashes: list[ExternalHash] = [rng.getrandbits(64) for _ in range(depth)]
         batch = EventBatch(time.time(), [BlockStored(hashes, None, tokens[: depth * bs], bs)], 0)
         await index.apply(f"lookup-{r}", NAMESPACE, batch)
     keys = block_keys(tokens, NAMESPACE)

@@ -227,14 +227,16 @@ return out
 """
 )
 
-# KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, ttl ms, n x 8-byte block key]
-# Records that replica ``rid`` will hold these blocks until now + ttl (dropping expired
-# entries and its own older entry on the way).
+# KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, ttl ms, n x 8-byte block key,
+# replica name]. Records that replica ``rid`` will hold these blocks until now + ttl (dropping
+# expired entries and its own older entry on the way). Returns -1, writing nothing, when the
+# rid no longer belongs to that replica (Redis lost data, or the rid was released and reused).
 PREDICT: Final = (
     _BUCKETS
     + _PREDICTIONS
     + """
 local pprefix, rid, ttl, chain = ARGV[1] .. ':p:', tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+if redis.call('HGET', KEYS[1], rid) ~= ARGV[5] then return -1 end
 local clock = now_ms()
 local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock + ttl)
 for i = 1, #chain - 7, 8 do

@@ -319,13 +319,20 @@ class RedisIndex:
         if not keys:
             return
         nk = self.keys_for(namespace)
-        rid = await self.rid(replica, namespace)
-        await self._call(
-            "predict",
-            self._predict(
-                keys=[nk.rname], args=[nk.tag, rid, max(1, int(ttl_s * 1000)), _chain(keys)]
-            ),
-        )
+        base = namespace.base()
+        for _ in range(2):
+            rid = await self.rid(replica, base)
+            status = await self._call(
+                "predict",
+                self._predict(
+                    keys=[nk.rname],
+                    args=[nk.tag, rid, max(1, int(ttl_s * 1000)), _chain(keys), replica],
+                ),
+            )
+            if int(status) >= 0:
+                return
+            # Our cached rid is stale: forget it and allocate (or look up) the current one.
+            self._rids.pop((replica, base), None)
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
         return len(await self._ledger(replica, namespace))

@@ -460,6 +460,20 @@ async def test_rid_is_reused_after_forget(index_factory: Any, redis_url: str) ->
     assert await restarted.block_count("r2", NS) == 4
 
 
+async def test_predictions_never_land_on_the_new_owner_of_a_reused_rid(
+    index_factory: Any,
+) -> None:
+    tracker, router = index_factory(), index_factory()
+    await tracker.apply("r1", NS, batch(store(SEQ, range(1))), 1)
+    stale = await router.rid("r1", NS)  # the router caches r1's rid
+    await tracker.forget("r1", NS)
+    await tracker.apply("r2", NS, batch(store(OTHER)), 1)
+    assert await tracker.rid("r2", NS) == stale  # r2 now owns r1's old rid
+    await router.predict(NS, "r1", block_keys(SEQ, NS), ttl_s=5)
+    found = await router.lookup(NS, block_keys(SEQ, NS))
+    assert {r: m.predicted_blocks for r, m in found.items()} == {"r1": 4}
+
+
 async def test_rids_are_per_namespace(index_factory: Any) -> None:
     index = index_factory()
     other = Namespace("mistral", 4)

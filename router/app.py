@@ -1,0 +1,344 @@
+"""The router's ASGI app: OpenAI routes, operator routes, one error handler, one lifespan.
+
+OpenAI routes (optional bearer key): ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /v1/models``. Operator routes (their own key, else the API key): ``POST /index`` (where
+is this prompt cached, and where would it go), ``GET /replicas``, ``GET /metrics``.
+``GET /health`` is open. Every error is answered in the OpenAI shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from router.auth import KeyCheck, load_keys
+from router.breaker import GuardedIndex
+from router.config import RouterSettings
+from router.errors import AuthError, BadRequestError, RouterError, openai_error_body, status_of
+from router.estimator import SpeedBook
+from router.health import ReplicaMonitor
+from router.load import LoadBoard, LocalLoadBoard
+from router.metrics import MismatchDetector, RouterMetrics
+from router.placement import Placement, Placer, TokenizerBook
+from router.proxy import CLIENT_CLOSED, Proxy, read_body
+from router.replicas import Replica, ReplicaSet
+from router.requests import parse
+from router.upstream import UpstreamClient
+from tracker.index import BlockIndex
+
+logger = logging.getLogger(__name__)
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _tier(gpu: int, blocks: int) -> str:
+    return "gpu" if gpu == blocks else "offload" if gpu == 0 else "mixed"
+
+
+class Router:
+    """Every part of one router, wired together; started and stopped by the app's lifespan.
+
+    :param index: the block index and registry (not closed here: the caller owns it).
+    :param load: the load board (default: this process only); started and stopped here.
+    :param tokenizers: default: loaded from ``settings`` (blocking, at construction).
+    """
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        index: BlockIndex,
+        registry: CollectorRegistry,
+        load: LoadBoard | None = None,
+        tokenizers: TokenizerBook | None = None,
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.registry = registry
+        self.metrics = RouterMetrics(registry)
+        self.load = load or LocalLoadBoard()
+        self.replicas = ReplicaSet(
+            settings.replica_specs,
+            model=settings.model,
+            block_size=settings.block_size,
+            unhealthy_after=settings.unhealthy_after,
+            engine_stale_s=settings.metrics_stale_s,
+        )
+        self.speeds = SpeedBook()
+        self.shared = GuardedIndex(
+            index,
+            self.load,
+            self.metrics,
+            budget_s=settings.lookup_timeout_ms / 1000,
+            failures=settings.breaker_failures,
+            cooldown_s=settings.breaker_cooldown_s,
+        )
+        self.upstream = UpstreamClient(
+            connect_timeout_s=settings.connect_timeout_s,
+            max_connections=settings.max_connections,
+            api_key=settings.upstream_api_key,
+        )
+        self.placer = Placer(
+            settings,
+            replicas=self.replicas,
+            tokenizers=tokenizers or TokenizerBook.load(settings),
+            shared=self.shared,
+            speeds=self.speeds,
+            metrics=self.metrics,
+        )
+        detector = MismatchDetector(
+            self.metrics, window=settings.mismatch_window, ratio=settings.mismatch_ratio
+        )
+        self.proxy = Proxy(
+            settings,
+            placer=self.placer,
+            upstream=self.upstream,
+            load=self.load,
+            shared=self.shared,
+            speeds=self.speeds,
+            metrics=self.metrics,
+            detector=detector,
+        )
+        self.monitor = ReplicaMonitor(
+            self.replicas,
+            self.upstream,
+            index,
+            self.metrics,
+            discover=bool(settings.redis and settings.discover),
+            registry_interval_s=settings.registry_interval_s,
+            health_interval_s=settings.health_interval_s,
+            health_timeout_s=settings.health_timeout_s,
+            metrics_interval_s=settings.metrics_interval_s,
+            on_removed=self.speeds.forget,
+        )
+        api = load_keys(settings.api_key, settings.api_key_file, "api-key")
+        admin = load_keys(settings.admin_key, settings.admin_key_file, "admin-key")
+        self.api_keys = KeyCheck(api)
+        self.admin_keys = KeyCheck(admin or api)
+        self.draining = False
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        await self.load.start()
+        await self.monitor.start()
+        logger.info(
+            "router ready",
+            extra={
+                "replicas": len(self.replicas),
+                "models": ",".join(self.replicas.models()),
+                "index": type(self.index).__name__,
+                "load": type(self.load).__name__,
+            },
+        )
+
+    async def stop(self) -> None:
+        await self.monitor.stop()
+        await self.shared.stop()
+        await self.load.stop()
+        await self.upstream.aclose()
+
+    # ------------------------------------------------------------------ OpenAI routes
+
+    async def chat(self, request: Request) -> Response:
+        return await self.proxy.handle(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.proxy.handle(request, "completions")
+
+    async def models(self, request: Request) -> Response:
+        cards = [
+            {"id": m, "object": "model", "created": self.created, "owned_by": "kvrouter", "root": m}
+            for m in self.replicas.models()
+        ]
+        return JSONResponse({"object": "list", "data": cards})
+
+    # ------------------------------------------------------------------ operator routes
+
+    async def index_query(self, request: Request) -> Response:
+        """Where is this prompt cached, and where would it go (nothing is sent or recorded)."""
+        raw = await read_body(request, self.settings.max_body_bytes)
+        placement = await self.placer.place(parse(raw, "index"), dry_run=True)
+        return JSONResponse(self._describe(placement))
+
+    def _describe(self, placement: Placement) -> dict[str, Any]:
+        size = placement.namespace.block_size
+        replicas = {
+            m.replica: {
+                "matched_blocks": m.blocks,
+                "matched_tokens": m.blocks * size,
+                "gpu_blocks": m.gpu_blocks,
+                "offload_blocks": m.offload_blocks,
+                "predicted_blocks": m.predicted_blocks,
+                "tier": _tier(m.gpu_blocks, m.blocks),
+            }
+            for m in sorted(placement.matches.values(), key=lambda m: (-m.blocks, m.replica))
+        }
+        decision = placement.decision
+        return {
+            "model": placement.model,
+            "block_size": size,
+            "prompt_tokens": placement.prompt_tokens,
+            "blocks": len(placement.keys),
+            "fallback": placement.fallback,
+            "replicas": replicas,
+            "decision": {
+                "replica": decision.replica,
+                "mode": decision.mode,
+                "scores": [asdict(s) for s in sorted(decision.scores, key=lambda s: -s.score)],
+            },
+            "stages_ms": {k: round(v * 1000, 4) for k, v in placement.stages.items()},
+        }
+
+    async def replica_list(self, request: Request) -> Response:
+        loads: dict[str, Any] = {}
+        shared = True
+        for namespace in {r.namespace for r in self.replicas.all()}:
+            found, fresh = await self.shared.loads(namespace)
+            loads.update(found)
+            shared = shared and fresh
+        now = time.monotonic()
+        return JSONResponse(
+            {
+                "load_shared": shared,
+                "replicas": [self._replica(r, loads.get(r.id), now) for r in self.replicas.all()],
+            }
+        )
+
+    def _replica(self, replica: Replica, load: Any, now: float) -> dict[str, Any]:
+        engine = replica.engine
+        speed = self.speeds.get(replica.id)
+        return {
+            "id": replica.id,
+            "url": replica.url,
+            "model": replica.model,
+            "block_size": replica.block_size,
+            "source": "static" if replica.static else "registry",
+            "healthy": replica.healthy,
+            "failures": replica.failures,
+            "last_error": replica.last_error or None,
+            "inflight": load.inflight if load else 0,
+            "queued_prefill_tokens": load.queued_prefill_tokens if load else 0,
+            "engine": None
+            if engine is None
+            else {
+                "running": engine.running,
+                "waiting": engine.waiting,
+                "kv_usage": engine.kv_usage,
+                "age_s": round(now - engine.at, 3),
+            },
+            "speed": {
+                "floor_ms": round(speed.floor_ms, 3),
+                "prefill_ms_per_token": round(speed.prefill_ms_per_token, 6),
+            },
+        }
+
+    async def metrics_page(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def health(self, request: Request) -> Response:
+        replicas = self.replicas.all()
+        healthy = sum(r.healthy for r in replicas)
+        breaker = self.shared.breaker.state
+        if self.draining:
+            status = "draining"
+        elif not healthy:
+            status = "no_healthy_replica"
+        else:
+            status = "ok" if breaker == "closed" and self.monitor.registry_reachable else "degraded"
+        body = {
+            "status": status,
+            "replicas": {"total": len(replicas), "healthy": healthy},
+            "index": {"backend": type(self.index).__name__, "breaker": breaker},
+            "registry_reachable": self.monitor.registry_reachable,
+            "inflight": self.proxy.inflight,
+        }
+        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def guard(self, handler: Handler, keys: KeyCheck | None, endpoint: str | None) -> Handler:
+        """``handler`` behind ``keys``, with every error answered in the OpenAI shape."""
+
+        async def guarded(request: Request) -> Response:
+            try:
+                if keys is not None and not keys.allows(request):
+                    raise AuthError("Incorrect API key provided.")
+                return await handler(request)
+            except RouterError as exc:
+                error: BaseException = exc
+            except ClientDisconnect:
+                return Response(status_code=CLIENT_CLOSED)
+            except Exception as exc:
+                logger.exception("request failed", extra={"path": request.url.path})
+                error = exc
+            status = status_of(error)
+            if endpoint is not None:
+                self.metrics.requests.labels(endpoint, str(status), "").inc()
+            headers = {"www-authenticate": "Bearer"} if isinstance(error, AuthError) else None
+            return JSONResponse(openai_error_body(error), status_code=status, headers=headers)
+
+        return guarded
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = BadRequestError(exc.detail)
+    body = openai_error_body(error)
+    body["error"]["type"] = "not_found_error" if exc.status_code == 404 else body["error"]["type"]
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+def create_app(
+    settings: RouterSettings,
+    *,
+    index: BlockIndex,
+    registry: CollectorRegistry,
+    load: LoadBoard | None = None,
+    tokenizers: TokenizerBook | None = None,
+) -> Starlette:
+    """The router app; its parts start and stop with the app's lifespan.
+
+    :param index: the block index and replica registry (owned by the caller).
+    :param registry: where the router's metrics are registered (served on ``/metrics``).
+    :param load: the load board (default :class:`~router.load.LocalLoadBoard`).
+    :param tokenizers: per-model tokenizers (default: loaded from ``settings``).
+    """
+    router = Router(settings, index=index, registry=registry, load=load, tokenizers=tokenizers)
+    api, admin = router.api_keys, router.admin_keys
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    routes = [
+        Route("/v1/chat/completions", router.guard(router.chat, api, "chat"), methods=["POST"]),
+        Route(
+            "/v1/completions",
+            router.guard(router.completions, api, "completions"),
+            methods=["POST"],
+        ),
+        Route("/v1/models", router.guard(router.models, api, None)),
+        Route("/index", router.guard(router.index_query, admin, None), methods=["POST"]),
+        Route("/replicas", router.guard(router.replica_list, admin, None)),
+        Route("/metrics", router.guard(router.metrics_page, admin, None)),
+        Route("/health", router.guard(router.health, None, None)),
+    ]
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+    )
+    app.state.router = router
+    return app

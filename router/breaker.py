@@ -1,0 +1,202 @@
+"""Fail-open access to the shared state: index and load reads under a time budget and a breaker.
+
+A routing decision reads the index (placements) and the load board (every router's load) in
+one concurrent round trip bounded by ``budget_s``. Failures and timeouts count towards a
+:class:`CircuitBreaker`; while it is open the router does not even try and routes on its own
+load only. After the cool-down one request probes (half-open); success closes it again.
+Predictions are written in the background, never delaying a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from router.load import Load, LoadBoard
+from router.metrics import RouterMetrics
+from tracker.blocks import Namespace
+from tracker.errors import IndexUnavailableError
+from tracker.index import BlockIndex, Match
+
+logger = logging.getLogger(__name__)
+
+State = Literal["closed", "open", "half_open"]
+PREDICT_TIMEOUT_S: Final = 1.0
+MAX_PENDING_PREDICTIONS: Final = 1024
+
+
+class CircuitBreaker:
+    """Opens after ``failures`` failures in a row; lets one probe through after ``cooldown_s``."""
+
+    def __init__(
+        self,
+        failures: int,
+        cooldown_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[State], None] | None = None,
+    ) -> None:
+        self.failures = failures
+        self.cooldown_s = cooldown_s
+        self.state: State = "closed"
+        self._clock = clock
+        self._on_change = on_change
+        self._count = 0
+        self._opened = 0.0
+        self._probing = False
+
+    def allow(self) -> bool:
+        """Whether to try now (an open breaker past its cool-down lets one probe through)."""
+        if self.state == "closed":
+            return True
+        if self.state == "open" and self._clock() - self._opened >= self.cooldown_s:
+            self._set("half_open")
+        if self.state == "half_open" and not self._probing:
+            self._probing = True
+            return True
+        return False
+
+    def abandon(self) -> None:
+        """The attempt :meth:`allow` let through ended without a verdict (cancelled)."""
+        self._probing = False
+
+    def success(self) -> None:
+        self._count = 0
+        self._probing = False
+        if self.state != "closed":
+            self._set("closed")
+
+    def failure(self) -> None:
+        self._count += 1
+        self._probing = False
+        if self.state == "half_open" or (self.state == "closed" and self._count >= self.failures):
+            self._opened = self._clock()
+            self._set("open")
+
+    def _set(self, state: State) -> None:
+        self.state = state
+        if self._on_change is not None:
+            self._on_change(state)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedView:
+    """What a decision knows: placements, load, and why the index was skipped (if it was)."""
+
+    matches: dict[str, Match]
+    loads: dict[str, Load]
+    fallback: str | None = None
+
+
+class GuardedIndex:
+    """The index and load board behind a time budget and a circuit breaker.
+
+    :param budget_s: how long one lookup (placements and load, concurrently) may take.
+    """
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        load: LoadBoard,
+        metrics: RouterMetrics,
+        *,
+        budget_s: float,
+        failures: int,
+        cooldown_s: float,
+    ) -> None:
+        self.index = index
+        self.load = load
+        self.metrics = metrics
+        self.budget_s = budget_s
+        self.breaker = CircuitBreaker(failures, cooldown_s, on_change=self._changed)
+        self._pending: set[asyncio.Task[None]] = set()
+        self._outage = False
+
+    def _changed(self, state: State) -> None:
+        self.metrics.breaker_open.set(1 if state == "open" else 0)
+        if state == "open" and not self._outage:
+            self._outage = True
+            logger.warning(
+                "index circuit breaker open: routing on load only until the index answers",
+                extra={"cooldown_s": self.breaker.cooldown_s},
+            )
+        elif state == "closed":
+            self._outage = False
+            logger.info("index circuit breaker closed: cache-aware routing again")
+
+    async def view(self, namespace: Namespace, keys: Sequence[int]) -> SharedView:
+        """Placements of ``keys`` and every router's load; never raises for the index's sake."""
+        if not self.breaker.allow():
+            return self._fallback(namespace, "breaker_open")
+        try:
+            async with asyncio.timeout(self.budget_s):
+                matches, loads = await asyncio.gather(
+                    self.index.lookup(namespace, keys), self.load.snapshot(namespace)
+                )
+        except TimeoutError:
+            self.breaker.failure()
+            return self._fallback(namespace, "timeout")
+        except IndexUnavailableError as exc:
+            self.breaker.failure()
+            logger.debug("index lookup failed", extra={"error": str(exc)})
+            return self._fallback(namespace, "error")
+        except asyncio.CancelledError:
+            self.breaker.abandon()
+            raise
+        self.breaker.success()
+        return SharedView(matches, loads)
+
+    async def loads(
+        self, namespace: Namespace, timeout_s: float = 1.0
+    ) -> tuple[dict[str, Load], bool]:
+        """Every router's load for an operator query: ``(loads, shared)``; local if unshared."""
+        if self.breaker.state == "closed":
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await self.load.snapshot(namespace), True
+            except (TimeoutError, IndexUnavailableError):
+                pass
+        return self.load.local_snapshot(namespace), False
+
+    def _fallback(self, namespace: Namespace, reason: str) -> SharedView:
+        self.metrics.fallbacks.labels(reason).inc()
+        return SharedView({}, self.load.local_snapshot(namespace), reason)
+
+    def predict(
+        self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
+    ) -> None:
+        """Record in the background that ``replica`` is about to hold ``keys``."""
+        if not keys or ttl_s <= 0:
+            return
+        if self.breaker.state != "closed" or len(self._pending) >= MAX_PENDING_PREDICTIONS:
+            self.metrics.predictions.labels("skipped").inc()
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._predict(namespace, replica, list(keys), ttl_s)
+        )
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _predict(
+        self, namespace: Namespace, replica: str, keys: list[int], ttl_s: float
+    ) -> None:
+        try:
+            async with asyncio.timeout(max(PREDICT_TIMEOUT_S, self.budget_s)):
+                await self.index.predict(namespace, replica, keys, ttl_s)
+        except (TimeoutError, IndexUnavailableError) as exc:
+            self.breaker.failure()
+            self.metrics.predictions.labels("error").inc()
+            logger.debug("prediction failed", extra={"replica": replica, "error": str(exc)})
+            return
+        self.metrics.predictions.labels("ok").inc()
+
+    async def stop(self) -> None:
+        """Cancel predictions still in flight."""
+        pending = list(self._pending)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,166 @@
+"""Settings of ``kvrouter router``: one frozen object, its fields are the flags and the env."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.policy import PolicyConfig
+from tracker.config import LogSettings
+from tracker.errors import ConfigError
+from tracker.replicas import ReplicaSpec
+from tracker.settings import setting
+
+
+def model_paths(entries: tuple[str, ...], what: str) -> tuple[str | None, dict[str, str]]:
+    """``(path for every model, {model: path})`` from ``PATH`` and ``MODEL=PATH`` entries."""
+    default: str | None = None
+    per_model: dict[str, str] = {}
+    for entry in entries:
+        model, eq, path = entry.partition("=")
+        if not eq:
+            if default is not None:
+                raise ConfigError(f"{what}: more than one path for every model")
+            default = entry
+        elif not model or not path:
+            raise ConfigError(f"{what}: expected PATH or MODEL=PATH, got {entry!r}")
+        elif model in per_model:
+            raise ConfigError(f"{what}: model {model!r} given twice")
+        else:
+            per_model[model] = path
+    return default, per_model
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSettings(LogSettings):
+    """``kvrouter router``: the KV-cache-aware OpenAI-compatible proxy."""
+
+    PART = "ROUTER"
+
+    host: str = setting("127.0.0.1", "HTTP bind address")
+    port: int = setting(8000, "HTTP port (0: any free port)")
+    redis: str | None = setting(
+        None, "Redis URL of the shared index, load and registry; omit: embedded index + tracker"
+    )
+    replica: tuple[str, ...] = setting(
+        (),
+        "replica, repeatable: ID=tcp://host:5557[,replay=tcp://host:5558],url=http://host:8000"
+        "[,model=M][,block_size=N]",
+    )
+    discover: bool = setting(True, "with --redis, also route to replicas in the registry")
+    model: str = setting("default", "model served by replicas given with --replica")
+    block_size: int = setting(16, "block size of --replica replicas without their own")
+    tokenizer: tuple[str, ...] = setting(
+        (), "tokenizer.json or its directory, for every model or as MODEL=PATH (default: builtin)"
+    )
+    chat_template: tuple[str, ...] = setting(
+        (), "chat template (.jinja or tokenizer_config.json), for every model or as MODEL=PATH"
+    )
+    api_key: str | None = setting(None, "bearer key of the OpenAI routes", secret=True)
+    api_key_file: str | None = setting(None, "file with bearer keys of the OpenAI routes")
+    admin_key: str | None = setting(
+        None, "bearer key of /index, /replicas, /metrics (default: the API key)", secret=True
+    )
+    admin_key_file: str | None = setting(None, "file with bearer keys of the operator routes")
+    upstream_api_key: str | None = setting(
+        None, "bearer key sent to replicas (vLLM --api-key)", secret=True
+    )
+    policy: str = setting("ttft", "routing policy", choices=("ttft", "linear"))
+    hit_weight: float = setting(1.0, "linear policy: weight of a cached block")
+    load_weight: float = setting(1.0, "linear policy: weight of a request in flight")
+    offload_hit_cost: float = setting(0.3, "cost of an offload-tier hit relative to recompute")
+    temperature: float = setting(0.0, "softmax temperature in ms (0: best score, random ties)")
+    tie_epsilon_ms: float = setting(1.0, "expected TTFTs this close are a tie")
+    lookup_timeout_ms: float = setting(10.0, "time budget of the index lookup and load snapshot")
+    breaker_failures: int = setting(3, "index failures in a row that open the circuit breaker")
+    breaker_cooldown_s: float = setting(2.0, "how long the open breaker skips the index")
+    predict_ttl_s: float = setting(
+        3.0, "predict-on-route: the chosen replica holds the prompt's blocks this long (0: off)"
+    )
+    connect_timeout_s: float = setting(1.0, "upstream connect timeout")
+    first_byte_timeout_s: float = setting(
+        600.0, "upstream answer timeout (a stream's first chunk; a whole non-stream answer)"
+    )
+    read_timeout_s: float = setting(120.0, "longest wait between two chunks of a stream")
+    retries: int = setting(1, "retries on the next-best replica before the first byte")
+    max_connections: int = setting(4096, "upstream connections, all replicas together")
+    health_interval_s: float = setting(2.0, "time between active health checks of a replica")
+    health_timeout_s: float = setting(1.0, "timeout of one health check")
+    unhealthy_after: int = setting(3, "failures in a row that take a replica out of rotation")
+    metrics_interval_s: float = setting(1.0, "time between scrapes of engine /metrics (0: off)")
+    metrics_stale_s: float = setting(5.0, "engine metrics older than this are ignored")
+    registry_interval_s: float = setting(1.0, "time between registry refreshes")
+    lease_ttl_s: float = setting(5.0, "shared load of a dead router expires after this long")
+    load_renew_s: float = setting(1.0, "how often this router renews its shared load")
+    router_id: str | None = setting(None, "unique id of this router (default: host-pid-random)")
+    max_body_bytes: int = setting(32 << 20, "largest accepted request body (413 above)")
+    max_prompt_tokens: int = setting(1 << 20, "longest accepted prompt in tokens (400 above)")
+    tokenizer_cache_tokens: int = setting(4_000_000, "segment cache of each tokenizer, in tokens")
+    mismatch_window: int = setting(
+        50, "engine-reported hits looked at when checking for a block-key mismatch"
+    )
+    mismatch_ratio: float = setting(
+        0.9, "share of engine hits the router predicted none of that flags a mismatch"
+    )
+    shutdown_timeout_s: float = setting(30.0, "graceful drain budget for in-flight requests")
+
+    def __post_init__(self) -> None:
+        specs = [ReplicaSpec.parse(spec) for spec in self.replica]
+        for spec in specs:
+            if spec.url is None:
+                raise ConfigError(f"replica {spec.id!r} needs url=http://host:port to be routed")
+        if len({s.id for s in specs}) != len(specs):
+            raise ConfigError("a replica id is given twice")
+        if self.block_size <= 0:
+            raise ConfigError("block-size must be positive")
+        model_paths(self.tokenizer, "tokenizer")
+        model_paths(self.chat_template, "chat-template")
+        positive = (
+            "connect_timeout_s",
+            "first_byte_timeout_s",
+            "read_timeout_s",
+            "health_interval_s",
+            "health_timeout_s",
+            "registry_interval_s",
+            "metrics_stale_s",
+            "lookup_timeout_ms",
+            "breaker_cooldown_s",
+            "shutdown_timeout_s",
+            "max_connections",
+            "max_body_bytes",
+            "max_prompt_tokens",
+            "breaker_failures",
+            "unhealthy_after",
+            "mismatch_window",
+        )
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name.replace('_', '-')} must be positive")
+        for name in ("retries", "predict_ttl_s", "metrics_interval_s", "tokenizer_cache_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
+        if not 0 < self.load_renew_s < self.lease_ttl_s:
+            raise ConfigError("need 0 < load-renew-s < lease-ttl-s")
+        if not 0 < self.mismatch_ratio <= 1:
+            raise ConfigError("mismatch-ratio must be in (0, 1]")
+        if self.router_id is not None and (not self.router_id or "\x00" in self.router_id):
+            raise ConfigError("router-id must be non-empty, without NUL characters")
+        try:
+            self.policy_config(self.block_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @property
+    def replica_specs(self) -> list[ReplicaSpec]:
+        return [ReplicaSpec.parse(spec) for spec in self.replica]
+
+    def policy_config(self, block_size: int) -> PolicyConfig:
+        """The policy parameters for a namespace of ``block_size``."""
+        return PolicyConfig(
+            mode="linear" if self.policy == "linear" else "ttft",
+            block_size=block_size,
+            hit_weight=self.hit_weight,
+            load_weight=self.load_weight,
+            offload_hit_cost=self.offload_hit_cost,
+            temperature=self.temperature,
+            tie_epsilon_ms=self.tie_epsilon_ms,
+        )

@@ -1,0 +1,200 @@
+"""Background upkeep of the replica set: registry refresh, health checks, engine metrics.
+
+Each runs in its own loop owned by :class:`ReplicaMonitor`, never on the request path. Engine
+metrics are vLLM's ``/metrics`` gauges (``num_requests_running``, ``num_requests_waiting``,
+``kv_cache_usage_perc``); only their lines are parsed, so a large metrics page costs little.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Final
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.errors import UpstreamError
+from router.metrics import RouterMetrics
+from router.replicas import EngineLoad, Replica, ReplicaSet
+from router.upstream import UpstreamClient, failure_kind
+from tracker.errors import IndexUnavailableError
+from tracker.index import BlockIndex
+
+logger = logging.getLogger(__name__)
+
+RUNNING: Final = "vllm:num_requests_running"
+WAITING: Final = "vllm:num_requests_waiting"
+KV_USAGE: Final = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_WANTED: Final = (RUNNING, WAITING, *KV_USAGE)
+_PARALLEL: Final = 64  # concurrent probes per pass
+
+
+def parse_engine_metrics(text: str, at: float) -> EngineLoad:
+    """Running and waiting requests (summed over engines) and the highest KV usage."""
+    lines = [line for line in text.splitlines() if line.startswith(_WANTED)]
+    running: float | None = None
+    waiting: float | None = None
+    usage: float | None = None
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            if sample.name == RUNNING:
+                running = (running or 0.0) + sample.value
+            elif sample.name == WAITING:
+                waiting = (waiting or 0.0) + sample.value
+            elif sample.name in KV_USAGE:
+                usage = sample.value if usage is None else max(usage, sample.value)
+    return EngineLoad(
+        None if running is None else round(running),
+        None if waiting is None else round(waiting),
+        usage,
+        at,
+    )
+
+
+class ReplicaMonitor:
+    """Keeps a :class:`ReplicaSet` current; :meth:`start` / :meth:`stop`.
+
+    :param index: the registry (only read when ``discover`` is set).
+    :param on_removed: called with the id of a replica that left the registry.
+    """
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        upstream: UpstreamClient,
+        index: BlockIndex,
+        metrics: RouterMetrics,
+        *,
+        discover: bool,
+        registry_interval_s: float,
+        health_interval_s: float,
+        health_timeout_s: float,
+        metrics_interval_s: float,
+        on_removed: Callable[[str], None] | None = None,
+    ) -> None:
+        self.replicas = replicas
+        self.upstream = upstream
+        self.index = index
+        self.metrics = metrics
+        self.discover = discover
+        self.registry_interval_s = registry_interval_s
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.metrics_interval_s = metrics_interval_s
+        self.on_removed = on_removed
+        self.registry_reachable = True
+        self._tasks: list[asyncio.Task[None]] = []
+        self._limit = asyncio.Semaphore(_PARALLEL)
+
+    async def start(self) -> None:
+        """Read the registry once (so discovered replicas are known at once), start loops."""
+        if self.discover:
+            await self.refresh_registry()
+            self._spawn(self._refresh_later(), "registry")
+        self._spawn(self._every(self.health_interval_s, self.check_health), "health")
+        if self.metrics_interval_s > 0:
+            self._spawn(self._every(self.metrics_interval_s, self.scrape_engines), "engines")
+        self._publish_health()
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=f"kvrouter-{name}")
+        task.add_done_callback(_log_crash)
+        self._tasks.append(task)
+
+    @staticmethod
+    async def _every(interval_s: float, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        while True:
+            await work()
+            await asyncio.sleep(interval_s)
+
+    # ------------------------------------------------------------------ registry
+
+    async def _refresh_later(self) -> None:
+        while True:
+            await asyncio.sleep(self.registry_interval_s)
+            await self.refresh_registry()
+
+    async def refresh_registry(self) -> None:
+        """Adopt the registry's replicas; an unreachable registry keeps the current view."""
+        try:
+            async with asyncio.timeout(max(1.0, self.registry_interval_s)):
+                records = await self.index.replicas()
+        except (IndexUnavailableError, TimeoutError) as exc:
+            if self.registry_reachable:
+                logger.warning(
+                    "replica registry unreachable; keeping the last view",
+                    extra={"error": str(exc) or "timeout"},
+                )
+            self.registry_reachable = False
+            return
+        if not self.registry_reachable:
+            logger.info("replica registry reachable again")
+        self.registry_reachable = True
+        _, removed = self.replicas.reconcile(records)
+        for replica in removed:
+            self.metrics.forget_replica(replica)
+            if self.on_removed is not None:
+                self.on_removed(replica)
+        self._publish_health()
+
+    # ------------------------------------------------------------------ health
+
+    async def check_health(self) -> None:
+        """Probe every replica's ``GET /health`` once."""
+        await asyncio.gather(*(self._probe(r) for r in self.replicas.all()))
+        self._publish_health()
+
+    async def _probe(self, replica: Replica) -> None:
+        async with self._limit:
+            try:
+                status, _ = await self.upstream.get(
+                    replica.id, replica.url, "/health", timeout_s=self.health_timeout_s
+                )
+            except UpstreamError as exc:
+                self.metrics.health_checks.labels("error").inc()
+                self.replicas.failed(replica.id, exc.message, now=failure_kind(exc) == "connect")
+                return
+        if status == 200:
+            self.metrics.health_checks.labels("ok").inc()
+            self.replicas.succeeded(replica.id)
+        else:
+            self.metrics.health_checks.labels("unhealthy").inc()
+            self.replicas.failed(replica.id, f"GET /health answered {status}")
+
+    def _publish_health(self) -> None:
+        for replica in self.replicas.all():
+            self.metrics.replica_healthy.labels(replica.id).set(1 if replica.healthy else 0)
+
+    # ------------------------------------------------------------------ engine metrics
+
+    async def scrape_engines(self) -> None:
+        """Read every healthy replica's engine gauges once."""
+        await asyncio.gather(*(self._scrape(r) for r in self.replicas.all() if r.healthy))
+
+    async def _scrape(self, replica: Replica) -> None:
+        async with self._limit:
+            try:
+                status, text = await self.upstream.get(
+                    replica.id, replica.url, "/metrics", timeout_s=self.health_timeout_s
+                )
+            except UpstreamError:
+                return  # stale values expire; health checks judge the replica
+        if status != 200:
+            return
+        try:
+            replica.engine = parse_engine_metrics(text, time.monotonic())
+        except ValueError as exc:
+            logger.debug("unparsable engine metrics", extra={"replica": replica.id, "error": exc})
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("replica monitor loop crashed", exc_info=task.exception())

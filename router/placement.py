@@ -1,0 +1,248 @@
+"""From a request to a routing decision: tokenize, hash, look up, score; timed per stage.
+
+The prompt is tokenized as the engine will (chat template over every message), its block-key
+chain computed with the tracker's :func:`~tracker.blocks.block_keys`, the chain's placements
+and every router's load read in one guarded round trip (:mod:`router.breaker`), and the
+candidates scored by :func:`router.policy.decide`. A prompt the router cannot tokenize (a
+content type it does not know, a template that rejects the conversation) is routed on load
+alone: the engine, not the router, decides whether it is valid.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+
+from router.breaker import GuardedIndex
+from router.config import RouterSettings, model_paths
+from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError
+from router.estimator import SpeedBook
+from router.metrics import RouterMetrics
+from router.policy import Decision, PolicyConfig, ReplicaState, Score, decide
+from router.replicas import Replica, ReplicaSet
+from router.requests import PromptRequest
+from router.tokenize import PromptTokenizer
+from tracker.blocks import Namespace, block_keys
+from tracker.errors import ConfigError
+from tracker.index import Match
+from tracker.tokens import TokenizationError, Tokenizer, load_chat_template
+
+logger = logging.getLogger(__name__)
+
+
+class TokenizerBook:
+    """Each model's :class:`PromptTokenizer`: its own if configured, else the default."""
+
+    def __init__(
+        self, default: PromptTokenizer, per_model: Mapping[str, PromptTokenizer] | None = None
+    ) -> None:
+        self.default = default
+        self.per_model = dict(per_model or {})
+
+    def for_model(self, model: str) -> PromptTokenizer:
+        return self.per_model.get(model, self.default)
+
+    @classmethod
+    def load(cls, settings: RouterSettings) -> TokenizerBook:
+        """Load every configured tokenizer (blocking: reads files).
+
+        :raises ConfigError: a tokenizer or chat template cannot be loaded.
+        """
+        default_tokenizer, tokenizers = model_paths(settings.tokenizer, "tokenizer")
+        default_template, templates = model_paths(settings.chat_template, "chat-template")
+
+        @cache
+        def make(path: str | None, template: str | None) -> PromptTokenizer:
+            try:
+                if path is not None:
+                    tokenizer = Tokenizer.from_files(path, template)
+                elif template is not None:
+                    tokenizer = Tokenizer.builtin(load_chat_template(template))
+                else:
+                    tokenizer = Tokenizer.builtin()
+            except TokenizationError as exc:
+                raise ConfigError(str(exc)) from None
+            return PromptTokenizer(tokenizer, cache_tokens=settings.tokenizer_cache_tokens)
+
+        default = make(default_tokenizer, default_template)
+        per_model = {
+            model: make(
+                tokenizers.get(model, default_tokenizer), templates.get(model, default_template)
+            )
+            for model in sorted(set(tokenizers) | set(templates))
+        }
+        return cls(default, per_model)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A routing decision and everything that went into it.
+
+    :param keys: the prompt's block keys in ``namespace``.
+    :param matches: every replica's cached run of ``keys`` (empty on a fallback).
+    :param fallback: why the index was not used (``None`` when it was).
+    :param stages: seconds spent per stage.
+    """
+
+    model: str
+    namespace: Namespace
+    prompt_tokens: int
+    keys: list[int]
+    matches: dict[str, Match]
+    decision: Decision
+    fallback: str | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def order(self) -> list[str]:
+        """Candidates best first, the chosen one leading."""
+        ranked = sorted(self.decision.scores, key=lambda s: -s.score)
+        return [self.decision.replica] + [
+            s.replica for s in ranked if s.replica != self.decision.replica
+        ]
+
+    def score(self, replica: str) -> Score:
+        return next(s for s in self.decision.scores if s.replica == replica)
+
+
+class Placer:
+    """Turns a :class:`PromptRequest` into a :class:`Placement`; never blocks the loop."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        replicas: ReplicaSet,
+        tokenizers: TokenizerBook,
+        shared: GuardedIndex,
+        speeds: SpeedBook,
+        metrics: RouterMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.replicas = replicas
+        self.tokenizers = tokenizers
+        self.shared = shared
+        self.speeds = speeds
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        self._mixed: set[str] = set()
+        self._policies: dict[int, PolicyConfig] = {}
+
+    def resolve_model(self, model: str | None) -> str:
+        """The model a request is for; the only one served when it names none."""
+        if not len(self.replicas):
+            # nothing known yet (e.g. the registry was unreachable since startup): not a 404
+            raise NoReplicaError("no replica is known yet")
+        if model is None:
+            models = self.replicas.models()
+            if len(models) == 1:
+                return models[0]
+            raise BadRequestError("Missing required parameter: 'model'.", param="model")
+        if not self.replicas.serves(model):
+            raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
+        return model
+
+    def _block_size(self, model: str, candidates: Sequence[Replica]) -> int:
+        sizes = Counter(r.block_size for r in candidates)
+        if len(sizes) > 1 and model not in self._mixed:
+            self._mixed.add(model)
+            logger.warning(
+                "replicas of one model use different block sizes; only the most common is "
+                "matched against the index",
+                extra={"model": model, "block_sizes": dict(sizes)},
+            )
+        return min(sizes, key=lambda size: (-sizes[size], size))
+
+    async def token_ids(self, request: PromptRequest, model: str) -> list[int]:
+        """The engine's prompt token ids; :raises TokenizationError: if they cannot be known."""
+        if request.token_ids is not None:
+            return request.token_ids
+        tokenizer = self.tokenizers.for_model(model)
+        if request.messages is not None:
+            if not tokenizer.tokenizer.has_chat_template:
+                raise TokenizationError(f"the tokenizer of {model!r} has no chat template")
+            return await tokenizer.chat(
+                request.messages,
+                add_generation_prompt=request.add_generation_prompt,
+                tools=request.tools,
+                **request.template_kwargs,
+            )
+        assert request.prompt is not None
+        return await tokenizer.prompt(request.prompt)
+
+    async def place(self, request: PromptRequest, *, dry_run: bool = False) -> Placement:
+        """Decide where ``request`` goes.
+
+        :param dry_run: an operator query: a prompt that cannot be tokenized is a 400.
+        :raises ModelNotFoundError: no replica serves the model.
+        :raises NoReplicaError: none of them is healthy.
+        :raises BadRequestError: the prompt is longer than ``max_prompt_tokens``.
+        """
+        model = self.resolve_model(request.model)
+        candidates = self.replicas.candidates(model)
+        if not candidates:
+            raise NoReplicaError(f"no healthy replica serves the model `{model}`")
+        block_size = self._block_size(model, candidates)
+        namespace = Namespace(model, block_size)
+        stages: dict[str, float] = {}
+        started = time.perf_counter()
+        fallback: str | None = None
+        try:
+            ids = await self.token_ids(request, model)
+        except TokenizationError as exc:
+            if dry_run:
+                raise BadRequestError(f"cannot tokenize the prompt: {exc}") from None
+            logger.debug("routing on load only", extra={"model": model, "error": str(exc)})
+            self.metrics.fallbacks.labels("tokenize").inc()
+            ids, fallback = [], "tokenize"
+        if len(ids) > self.settings.max_prompt_tokens:
+            raise BadRequestError(
+                f"the prompt has {len(ids)} tokens, more than the router's limit of "
+                f"{self.settings.max_prompt_tokens}",
+                param="messages" if request.messages is not None else "prompt",
+            )
+        tokenized = time.perf_counter()
+        stages["tokenize"] = tokenized - started
+        extra = [(request.cache_salt,)] if request.cache_salt is not None else None
+        keys = block_keys(ids, namespace, extra_keys=extra)
+        hashed = time.perf_counter()
+        stages["hash"] = hashed - tokenized
+        view = await self.shared.view(namespace, keys)
+        fallback = fallback or view.fallback
+        looked_up = time.perf_counter()
+        stages["lookup"] = looked_up - hashed
+        now = time.monotonic()
+        states = []
+        for replica in candidates:
+            match = view.matches.get(replica.id) if replica.block_size == block_size else None
+            load = view.loads.get(replica.id)
+            engine = self.replicas.engine_load(replica, now)
+            states.append(
+                ReplicaState(
+                    replica.id,
+                    matched_blocks=match.blocks if match else 0,
+                    matched_gpu_blocks=match.gpu_blocks if match else 0,
+                    inflight=load.inflight if load else 0,
+                    queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+                    engine_waiting=engine.waiting if engine else None,
+                    engine_running=engine.running if engine else None,
+                    kv_usage=engine.kv_usage if engine else None,
+                    speed=self.speeds.get(replica.id),
+                )
+            )
+        policy = self._policies.get(block_size)
+        if policy is None:
+            policy = self._policies[block_size] = self.settings.policy_config(block_size)
+        decision = decide(len(ids), states, policy, self.rng)
+        done = time.perf_counter()
+        stages["score"] = done - looked_up
+        stages["total"] = done - started
+        if not dry_run:
+            for stage, seconds in stages.items():
+                self.metrics.decision.labels(stage).observe(seconds)
+        return Placement(model, namespace, len(ids), keys, view.matches, decision, fallback, stages)

@@ -1,0 +1,402 @@
+"""The generation routes: place a request, send it upstream, relay the answer, account for it.
+
+Per attempt a load lease is taken (released in a ``finally``), the chosen replica is
+predicted to hold the prompt's blocks, and the request is sent. Until the answer's first
+byte reaches the client (for a stream: its first chunk, which also gives the TTFT) a failed
+connection or a 5xx is retried on the next-best replica; after that, an upstream failure
+can only end the stream. A client that leaves cancels the upstream request: its connection
+is closed, which vLLM takes as an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from typing import Any, Final, TypeVar
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from router.breaker import GuardedIndex
+from router.config import RouterSettings
+from router.errors import NoReplicaError, PayloadTooLargeError, UpstreamError
+from router.estimator import SpeedBook
+from router.load import LoadBoard
+from router.metrics import MismatchDetector, RouterMetrics
+from router.placement import Placement, Placer
+from router.policy import Score
+from router.replicas import Replica
+from router.requests import PATHS, Endpoint, PromptRequest, cached_tokens, parse, upstream_body
+from router.sse import UsageFilter
+from router.upstream import UpstreamClient, UpstreamResponse, failure_kind, passthrough_headers
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+REPLICA_HEADER: Final = "x-kvrouter-replica"
+PREDICTED_HEADER: Final = "x-kvrouter-cached-tokens-predicted"
+FALLBACK_HEADER: Final = "x-kvrouter-fallback"
+CLIENT_CLOSED: Final = 499
+_decode = msgspec.json.Decoder().decode
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or :class:`PayloadTooLargeError` past ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"the request body exceeds {limit} bytes")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"the request body exceeds {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Run ``work`` unless the client leaves first (then it is cancelled and None returned)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+class _RelayResponse(StreamingResponse):
+    """A streaming response that closes its relay however the client left.
+
+    :param cleanup: idempotent; also runs when the relay never started (a generator closed
+        before its first step skips its ``finally``).
+    """
+
+    def __init__(
+        self,
+        relay: AsyncGenerator[bytes, None],
+        cleanup: Callable[[], Awaitable[None]],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(relay, **kwargs)
+        self._relay = relay
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._relay.aclose()
+                await self._cleanup()
+
+
+class _Call:
+    """One client request on its way: what was decided and what is sent upstream."""
+
+    def __init__(
+        self, endpoint: Endpoint, request: PromptRequest, placement: Placement, body: bytes
+    ) -> None:
+        self.endpoint = endpoint
+        self.request = request
+        self.placement = placement
+        self.body = body
+        self.started = time.monotonic()
+        self.headers: dict[str, str] = {"content-type": "application/json"}
+        self.done = False
+
+
+class _Attempt:
+    """One try on one replica: its load lease, in-flight gauge and first-token bookkeeping."""
+
+    def __init__(self, proxy: Proxy, call: _Call, replica: Replica) -> None:
+        self.proxy = proxy
+        self.call = call
+        self.replica = replica
+        self.score: Score = call.placement.score(replica.id)
+        placement = call.placement
+        work = self.score.uncached_tokens + round(
+            proxy.settings.offload_hit_cost * self.score.offload_cached_tokens
+        )
+        self.lease = proxy.load.acquire(placement.namespace, replica.id, work)
+        proxy.metrics.inflight.labels(replica.id).inc()
+        self.dispatched = time.monotonic()
+        self._first = False
+        self._timer: asyncio.TimerHandle | None = None
+        if not call.request.stream:
+            # A non-streamed answer shows no first token: stop counting its prefill work
+            # once the policy expected it to be done.
+            delay = max(0.0, self.score.expected_ttft_ms / 1000)
+            self._timer = asyncio.get_running_loop().call_later(delay, self.lease.first_token)
+        # blocks the events already place there need no prediction; predicted ones get renewed
+        held = placement.matches.get(replica.id)
+        start = held.blocks - held.predicted_blocks if held is not None else 0
+        proxy.shared.predict(
+            placement.namespace, replica.id, placement.keys[start:], proxy.settings.predict_ttl_s
+        )
+
+    def first_token(self) -> None:
+        if self._first:
+            return
+        self._first = True
+        self.lease.first_token()
+        ttft = time.monotonic() - self.dispatched
+        self.proxy.metrics.ttft.labels(self.replica.id).observe(ttft)
+        self.proxy.speeds.observe(self.replica.id, ttft * 1000, self.score.work_tokens)
+
+    def release(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.lease.released:
+            self.lease.release()
+            self.proxy.metrics.inflight.labels(self.replica.id).dec()
+
+
+class Proxy:
+    """Handles ``/v1/chat/completions`` and ``/v1/completions``."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        placer: Placer,
+        upstream: UpstreamClient,
+        load: LoadBoard,
+        shared: GuardedIndex,
+        speeds: SpeedBook,
+        metrics: RouterMetrics,
+        detector: MismatchDetector,
+    ) -> None:
+        self.settings = settings
+        self.placer = placer
+        self.replicas = placer.replicas
+        self.upstream = upstream
+        self.load = load
+        self.shared = shared
+        self.speeds = speeds
+        self.metrics = metrics
+        self.detector = detector
+        self.inflight = 0
+        self._own_keys = bool(
+            settings.api_key or settings.api_key_file or settings.upstream_api_key
+        )
+
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        """Route one generation request (errors raise :class:`~router.errors.RouterError`)."""
+        raw = await read_body(request, self.settings.max_body_bytes)
+        parsed = parse(raw, endpoint)
+        placement = await self.placer.place(parsed)
+        call = _Call(endpoint, parsed, placement, upstream_body(parsed, raw))
+        call.headers["x-request-id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+        auth = request.headers.get("authorization")
+        if auth and not self._own_keys:
+            call.headers["authorization"] = auth  # no key of ours: the replicas judge it
+        chosen = placement.score(placement.decision.replica)
+        self.metrics.prompt_tokens.labels(chosen.replica).inc(placement.prompt_tokens)
+        if placement.prompt_tokens:
+            self.metrics.predicted_hit_ratio.observe(
+                chosen.matched_tokens / placement.prompt_tokens
+            )
+        self.inflight += 1
+        try:
+            return await self._dispatch(request, call)
+        except BaseException:
+            self._close(call)
+            raise
+
+    def _close(self, call: _Call) -> None:
+        """The call is over (counted once): answered, streamed, failed or abandoned."""
+        if not call.done:
+            call.done = True
+            self.inflight -= 1
+
+    def _next(self, call: _Call, tried: list[str]) -> Replica | None:
+        if len(tried) > self.settings.retries:
+            return None
+        for replica_id in call.placement.order():
+            replica = self.replicas.get(replica_id)
+            if replica_id not in tried and replica is not None and replica.healthy:
+                return replica
+        return None
+
+    async def _dispatch(self, request: Request, call: _Call) -> Response:
+        tried: list[str] = []
+        while (replica := self._next(call, tried)) is not None:
+            tried.append(replica.id)
+            attempt = _Attempt(self, call, replica)
+            try:
+                answer = await until_disconnect(request, self._start(call, attempt))
+            except UpstreamError as exc:
+                attempt.release()
+                kind = failure_kind(exc)
+                self.metrics.upstream_errors.labels(replica.id, kind).inc()
+                self.replicas.failed(replica.id, exc.message, now=kind == "connect")
+                if kind in ("connect", "transport") and self._next(call, tried) is not None:
+                    self.metrics.retries.labels(kind).inc()
+                    logger.info(
+                        "retrying on the next-best replica",
+                        extra={"replica": replica.id, "error": exc.message},
+                    )
+                    continue
+                if kind == "connect":
+                    raise NoReplicaError(
+                        f"no replica serving `{call.placement.model}` could be reached"
+                    ) from exc
+                raise
+            except BaseException:
+                attempt.release()
+                raise
+            if answer is None:
+                attempt.release()
+                self._count(call, CLIENT_CLOSED, replica.id)
+                self.metrics.disconnects.labels(call.endpoint).inc()
+                self._close(call)
+                return Response(status_code=CLIENT_CLOSED)
+            upstream, data = answer
+            if upstream.status >= 500:
+                attempt.release()
+                self.metrics.upstream_errors.labels(replica.id, "status").inc()
+                self.replicas.failed(replica.id, f"answered {upstream.status}")
+                if self._next(call, tried) is not None:
+                    self.metrics.retries.labels("status").inc()
+                    continue
+            return self._respond(call, attempt, upstream, data)
+        raise NoReplicaError("no healthy replica left to try")
+
+    async def _start(self, call: _Call, attempt: _Attempt) -> tuple[UpstreamResponse, bytes]:
+        """Send the request; wait for a stream's first chunk or a whole other answer."""
+        replica = attempt.replica
+        deadline = attempt.dispatched + self.settings.first_byte_timeout_s
+        upstream = await self.upstream.open(
+            replica.id,
+            replica.url,
+            PATHS["chat" if call.endpoint == "chat" else "completions"],
+            call.body,
+            call.headers,
+            timeout_s=self.settings.first_byte_timeout_s,
+        )
+        try:
+            if upstream.status >= 300 or not call.request.stream:
+                data = await upstream.read(self.settings.read_timeout_s)
+                await upstream.aclose()
+            else:
+                data = await upstream.next_chunk(max(0.001, deadline - time.monotonic()))
+                attempt.first_token()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+            raise
+        return upstream, data
+
+    def _headers(
+        self, call: _Call, attempt: _Attempt, upstream: UpstreamResponse
+    ) -> dict[str, str]:
+        headers = passthrough_headers(upstream.headers)
+        headers["x-request-id"] = call.headers["x-request-id"]
+        headers[REPLICA_HEADER] = attempt.replica.id
+        headers[PREDICTED_HEADER] = str(attempt.score.matched_tokens)
+        if call.placement.fallback is not None:
+            headers[FALLBACK_HEADER] = call.placement.fallback
+        return headers
+
+    def _respond(
+        self, call: _Call, attempt: _Attempt, upstream: UpstreamResponse, data: bytes
+    ) -> Response:
+        headers = self._headers(call, attempt, upstream)
+        self._count(call, upstream.status, attempt.replica.id)
+        if upstream.status >= 300 or not call.request.stream:
+            engine: int | None = None
+            if upstream.status == 200 and b'"usage"' in data:
+                try:
+                    answer = _decode(data)
+                except msgspec.DecodeError:
+                    answer = None
+                if isinstance(answer, dict):
+                    engine = cached_tokens(answer.get("usage"))
+            self._finished(call, attempt, "ok" if upstream.status < 500 else "error", engine)
+            return Response(data, upstream.status, headers)
+        usage = UsageFilter(strip_usage=not call.request.include_usage)
+        relay = self._relay(call, attempt, upstream, data, usage)
+
+        async def cleanup() -> None:
+            await upstream.aclose()
+            self._finished(call, attempt, "client_disconnect", None)
+
+        return _RelayResponse(relay, cleanup, status_code=upstream.status, headers=headers)
+
+    async def _relay(
+        self,
+        call: _Call,
+        attempt: _Attempt,
+        upstream: UpstreamResponse,
+        first: bytes,
+        usage: UsageFilter,
+    ) -> AsyncGenerator[bytes, None]:
+        outcome = "client_disconnect"
+        try:
+            data = first
+            while data:
+                out = usage.feed(data)
+                if out:
+                    yield out
+                data = await upstream.next_chunk(self.settings.read_timeout_s)
+            tail = usage.flush()
+            if tail:
+                yield tail
+            outcome = "ok"
+        except UpstreamError as exc:
+            outcome = "stream_error"
+            self.metrics.stream_errors.labels(attempt.replica.id).inc()
+            self.replicas.failed(attempt.replica.id, exc.message)
+            logger.warning(
+                "upstream stream broke; ending the client's stream",
+                extra={"replica": attempt.replica.id, "error": exc.message},
+            )
+        finally:
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+            self._finished(call, attempt, outcome, usage.cached_tokens)
+
+    def _count(self, call: _Call, status: int, replica: str) -> None:
+        self.metrics.requests.labels(call.endpoint, str(status), replica).inc()
+
+    def _finished(self, call: _Call, attempt: _Attempt, outcome: str, engine: int | None) -> None:
+        if call.done:
+            return
+        self._close(call)
+        attempt.release()
+        self.metrics.duration.labels(call.endpoint).observe(time.monotonic() - call.started)
+        if outcome == "client_disconnect":
+            self.metrics.disconnects.labels(call.endpoint).inc()
+        placement = call.placement
+        if engine is not None and placement.fallback is None and call.request.batch == 1:
+            size = placement.namespace.block_size
+            held = placement.matches.get(attempt.replica.id)
+            real = (held.blocks - held.predicted_blocks) * size if held is not None else 0
+            predicted = attempt.score.matched_tokens
+            self.detector.observe(
+                placement.model,
+                attempt.replica.id,
+                predicted=predicted,
+                confirmed=min(real, predicted),
+                engine=engine,
+                block=size,
+            )
+        if outcome == "ok":
+            self.replicas.succeeded(attempt.replica.id)

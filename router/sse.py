@@ -1,0 +1,67 @@
+"""Server-sent events passing through the router: split at event boundaries, read the usage.
+
+The relay forwards whole events as soon as they are complete, so it can recognise the final
+usage chunk (``"choices": []`` plus ``"usage"``), read the engine's ``cached_tokens`` from it,
+and drop it when only the router asked for it. Events without ``"usage"`` are never decoded.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final
+
+import msgspec
+
+from router.requests import cached_tokens
+
+_BOUNDARY: Final = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_decode = msgspec.json.Decoder().decode
+
+
+class UsageFilter:
+    """Cuts a byte stream into SSE events, notes the usage chunk, optionally drops it.
+
+    :param strip_usage: drop the usage-only chunk (the client did not ask for it).
+    """
+
+    def __init__(self, *, strip_usage: bool) -> None:
+        self.strip_usage = strip_usage
+        self.usage: dict[str, Any] | None = None
+        self._buffer = b""
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return cached_tokens(self.usage)
+
+    def feed(self, data: bytes) -> bytes:
+        """The complete events in ``buffered + data``, to forward now (maybe ``b""``)."""
+        self._buffer += data
+        end = 0
+        out: list[bytes] = []
+        for match in _BOUNDARY.finditer(self._buffer):
+            event = self._buffer[end : match.end()]
+            end = match.end()
+            if self._keep(event):
+                out.append(event)
+        self._buffer = self._buffer[end:]
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """Whatever trails the last complete event (a stream cut short)."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _keep(self, event: bytes) -> bool:
+        if b'"usage"' not in event:
+            return True
+        payload = b"".join(
+            line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")
+        )
+        try:
+            chunk = _decode(payload)
+        except msgspec.DecodeError:
+            return True
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("usage"), dict):
+            return True
+        self.usage = chunk["usage"]
+        return not (self.strip_usage and chunk.get("choices") == [])

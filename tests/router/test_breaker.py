@@ -1,0 +1,143 @@
+"""Fail-open index access: time budget, circuit breaker, background predictions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.breaker import CircuitBreaker, GuardedIndex
+from router.load import LocalLoadBoard
+from router.metrics import RouterMetrics
+from tracker.blocks import Namespace
+from tracker.errors import IndexUnavailableError
+from tracker.index import Match, MemoryIndex
+
+NS = Namespace("m", 16)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_probes_and_closes() -> None:
+    clock = Clock()
+    changes: list[str] = []
+    breaker = CircuitBreaker(3, 2.0, clock=clock, on_change=changes.append)
+    for _ in range(2):
+        assert breaker.allow()
+        breaker.failure()
+    breaker.success()  # a success resets the count
+    for _ in range(3):
+        assert breaker.allow()
+        breaker.failure()
+    assert breaker.state == "open"
+    assert not breaker.allow()
+    clock.now = 2.0
+    assert breaker.allow()  # the one probe
+    assert not breaker.allow()  # nobody else while it runs
+    breaker.failure()  # failed probe: open again for a full cool-down
+    assert breaker.state == "open"
+    clock.now = 3.0
+    assert not breaker.allow()
+    clock.now = 4.0
+    assert breaker.allow()
+    breaker.abandon()  # a cancelled probe leaves room for the next one
+    assert breaker.allow()
+    breaker.success()
+    assert breaker.state == "closed"
+    assert changes == ["open", "half_open", "open", "half_open", "closed"]
+
+
+class FlakyIndex(MemoryIndex):
+    """A MemoryIndex whose lookups can be made slow or failing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delay = 0.0
+        self.fail = False
+        self.lookups = 0
+
+    async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
+        self.lookups += 1
+        if self.fail:
+            raise IndexUnavailableError("redis lookup failed: connection refused")
+        await asyncio.sleep(self.delay)
+        return await super().lookup(namespace, keys)
+
+    async def predict(
+        self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
+    ) -> None:
+        if self.fail:
+            raise IndexUnavailableError("redis predict failed")
+        await super().predict(namespace, replica, keys, ttl_s)
+
+
+async def test_slow_or_failing_index_falls_back_to_local_load() -> None:
+    index = FlakyIndex()
+    board = LocalLoadBoard()
+    registry = CollectorRegistry()
+    guarded = GuardedIndex(
+        index, board, RouterMetrics(registry), budget_s=0.01, failures=3, cooldown_s=0.2
+    )
+    lease = board.acquire(NS, "r1", 100)
+    guarded.predict(NS, "r1", [1, 2, 3], 10.0)
+    await asyncio.sleep(0)
+    view = await guarded.view(NS, [1, 2, 3])
+    assert (view.fallback, view.matches["r1"].blocks) == (None, 3)
+
+    index.delay = 1.0
+    started = time.monotonic()
+    for _ in range(5):
+        view = await guarded.view(NS, [1, 2, 3])
+        assert view.matches == {}
+        assert view.loads["r1"].inflight == 1  # this router's own load, always known
+    assert time.monotonic() - started < 0.5  # three 10 ms timeouts, then no attempt at all
+    assert index.lookups == 4
+    assert guarded.breaker.state == "open"
+    assert registry.get_sample_value("kvrouter_router_fallbacks_total", {"reason": "timeout"}) == 3
+    fallbacks = registry.get_sample_value(
+        "kvrouter_router_fallbacks_total", {"reason": "breaker_open"}
+    )
+    assert fallbacks == 2
+    assert registry.get_sample_value("kvrouter_router_index_breaker_open") == 1
+
+    guarded.predict(NS, "r1", [4], 10.0)  # skipped while the breaker is open
+    assert registry.get_sample_value("kvrouter_router_predictions_total", {"status": "skipped"})
+
+    index.delay = 0.0
+    await asyncio.sleep(0.25)
+    view = await guarded.view(NS, [1, 2, 3])
+    assert view.fallback is None and view.matches["r1"].blocks == 3
+    assert guarded.breaker.state == "closed"
+
+    index.fail = True
+    view = await guarded.view(NS, [1])
+    assert view.fallback == "error"
+    guarded.predict(NS, "r1", [5], 10.0)
+    await guarded.stop()
+    await asyncio.sleep(0)
+    lease.release()
+
+
+@pytest.mark.parametrize("ttl", [0.0, -1.0])
+async def test_no_prediction_without_ttl(ttl: float) -> None:
+    index = FlakyIndex()
+    guarded = GuardedIndex(
+        index,
+        LocalLoadBoard(),
+        RouterMetrics(CollectorRegistry()),
+        budget_s=0.01,
+        failures=3,
+        cooldown_s=1,
+    )
+    guarded.predict(NS, "r1", [1], ttl)
+    await asyncio.sleep(0)
+    assert await index.lookup(NS, [1]) == {}

@@ -1,0 +1,135 @@
+"""The upstream client against real servers: timeouts, dropped connections, refused ports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from publishers.serving import HTTPServer, bind
+from router.errors import UpstreamError, UpstreamTimeoutError
+from router.upstream import UpstreamClient, failure_kind, passthrough_headers
+from tests.procs import free_port
+
+pytestmark = pytest.mark.timeout(20)
+
+
+async def _slow_stream(request: Request) -> Response:
+    gap = float(request.query_params.get("gap", "0"))
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        await asyncio.sleep(gap)
+        yield b"data: 2\n\n"
+
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
+async def _late(request: Request) -> Response:
+    await asyncio.sleep(float(request.query_params.get("after", "0")))
+    return Response(b'{"ok": true}', media_type="application/json", headers={"x-up": "1"})
+
+
+@contextlib.asynccontextmanager
+async def server() -> AsyncIterator[str]:
+    app = Starlette(
+        routes=[
+            Route("/stream", _slow_stream, methods=["POST"]),
+            Route("/late", _late, methods=["POST", "GET"]),
+        ]
+    )
+    http = HTTPServer(app, bind("127.0.0.1", 0), shutdown_timeout_s=1)
+    await http.start()
+    try:
+        yield f"http://127.0.0.1:{http.port}"
+    finally:
+        await http.stop()
+
+
+@contextlib.asynccontextmanager
+async def client() -> AsyncIterator[UpstreamClient]:
+    upstream = UpstreamClient(connect_timeout_s=0.5, max_connections=16, api_key="up-key")
+    try:
+        yield upstream
+    finally:
+        await upstream.aclose()
+
+
+async def test_answers_chunks_and_timeouts() -> None:
+    async with server() as url, client() as upstream:
+        answer = await upstream.open("r", url, "/late", b"{}", {}, timeout_s=2)
+        assert answer.status == 200
+        assert await answer.read(1.0) == b'{"ok": true}'
+        headers = passthrough_headers(answer.headers)
+        assert headers["x-up"] == "1"
+        assert not {"date", "server", "content-length"} & set(headers)
+        await answer.aclose()
+
+        with pytest.raises(UpstreamTimeoutError) as info:
+            await upstream.open("r", url, "/late?after=1", b"{}", {}, timeout_s=0.1)
+        assert failure_kind(info.value) == "timeout"
+        assert info.value.status == 504
+
+        stream = await upstream.open("r", url, "/stream?gap=1", b"{}", {}, timeout_s=2)
+        assert await stream.next_chunk(1.0) == b"data: 1\n\n"
+        with pytest.raises(UpstreamTimeoutError, match="sent nothing"):
+            await stream.next_chunk(0.1)
+        await stream.aclose()
+
+        stream = await upstream.open("r", url, "/stream", b"{}", {}, timeout_s=2)
+        assert await stream.read(1.0, limit=100) == b"data: 1\n\ndata: 2\n\n"
+        stream = await upstream.open("r", url, "/stream", b"{}", {}, timeout_s=2)
+        with pytest.raises(UpstreamError, match="more than 4 bytes"):
+            await stream.read(1.0, limit=4)
+        await stream.aclose()
+        assert (await upstream.get("r", url, "/late", timeout_s=1))[0] == 200
+
+
+async def test_refused_and_dropped_connections() -> None:
+    async with client() as upstream:
+        dead = f"http://127.0.0.1:{free_port()}"
+        with pytest.raises(UpstreamError) as info:
+            await upstream.open("r", dead, "/x", b"{}", {}, timeout_s=1)
+        assert failure_kind(info.value) == "connect"
+        assert info.value.replica == "r"
+        with pytest.raises(UpstreamError) as info:
+            await upstream.get("r", dead, "/health", timeout_s=1)
+        assert failure_kind(info.value) == "connect"
+
+        async def half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n"
+            )
+            await writer.drain()
+            writer.close()
+
+        async def no_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+
+        half = await asyncio.start_server(half_answer, "127.0.0.1", 0)
+        silent = await asyncio.start_server(no_answer, "127.0.0.1", 0)
+        try:
+            url = f"http://127.0.0.1:{half.sockets[0].getsockname()[1]}"
+            stream = await upstream.open("r", url, "/s", b"{}", {}, timeout_s=1)
+            assert await stream.next_chunk(1.0) == b"data: 1\n\n"
+            with pytest.raises(UpstreamError) as info:
+                await stream.next_chunk(1.0)
+            assert failure_kind(info.value) == "transport"
+            await stream.aclose()
+            url = f"http://127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+            with pytest.raises(UpstreamError) as info:
+                await upstream.open("r", url, "/s", b"{}", {}, timeout_s=1)
+            assert failure_kind(info.value) == "transport"
+        finally:
+            for srv in (half, silent):
+                srv.close()
+                await srv.wait_closed()
