@@ -153,45 +153,43 @@ async def assert_consistent(
         assert await indexed_keys(client, index, replica.id) == expected, replica.id
 
 
-async def test_index_equals_engine_caches_under_eviction(
+@pytest.fixture
+async def tracked(
     redis_url: str, fleet: list[Replica]
-) -> None:
+) -> AsyncIterator[tuple[RedisIndex, aioredis.Redis, TrackerService]]:
+    """A tracker service consuming the fleet into a RedisIndex, and a raw client to inspect it."""
     index = RedisIndex.from_url(redis_url)
     client = aioredis.Redis.from_url(redis_url)
     service = await start_tracker(index, fleet)
-    try:
-        await drive(fleet, random.Random(7), 120)
-        assert any(len(r.engine.cached_blocks()) >= 80 for r in fleet), (
-            "the caches should be under eviction pressure"
-        )
-        await assert_consistent(index, client, fleet)
-    finally:
-        await service.stop()
-        await index.close()
-        await client.aclose()
+    yield index, client, service
+    await service.stop()
+    await index.close()
+    await client.aclose()
+
+
+async def test_index_equals_engine_caches_under_eviction(
+    fleet: list[Replica], tracked: tuple[RedisIndex, aioredis.Redis, TrackerService]
+) -> None:
+    index, client, _ = tracked
+    await drive(fleet, random.Random(7), 120)
+    assert any(len(r.engine.cached_blocks()) >= 80 for r in fleet), (
+        "the caches should be under eviction pressure"
+    )
+    await assert_consistent(index, client, fleet)
 
 
 async def test_a_lost_message_is_replayed_and_the_index_converges(
-    redis_url: str, fleet: list[Replica]
+    fleet: list[Replica], tracked: tuple[RedisIndex, aioredis.Redis, TrackerService]
 ) -> None:
-    index = RedisIndex.from_url(redis_url)
-    client = aioredis.Redis.from_url(redis_url)
-    service = await start_tracker(index, fleet)
-    try:
-        rng = random.Random(11)
-        await drive(fleet, rng, 40)
-        fleet[0].publisher.drop_live(1)
-        await drive(fleet, rng, 40)
-        await assert_consistent(index, client, fleet)
-        gaps = service.registry.get_sample_value(
-            "kvrouter_tracker_gaps_total", {"replica": fleet[0].id}
-        )
-        assert gaps is not None and gaps >= 1
-        replays = service.registry.get_sample_value(
-            "kvrouter_tracker_replays_total", {"outcome": "ok"}
-        )
-        assert replays is not None and replays >= 1
-    finally:
-        await service.stop()
-        await index.close()
-        await client.aclose()
+    index, client, service = tracked
+    rng = random.Random(11)
+    await drive(fleet, rng, 40)
+    fleet[0].publisher.drop_live(1)
+    await drive(fleet, rng, 40)
+    await assert_consistent(index, client, fleet)
+    gaps = service.registry.get_sample_value(
+        "kvrouter_tracker_gaps_total", {"replica": fleet[0].id}
+    )
+    assert gaps is not None and gaps >= 1
+    replays = service.registry.get_sample_value("kvrouter_tracker_replays_total", {"outcome": "ok"})
+    assert replays is not None and replays >= 1

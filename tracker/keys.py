@@ -12,14 +12,15 @@ key                             type   content
 ``P:T:e:<rid>:<bucket>``       HASH   a replica's engine map: field: engine hash (8 bytes
                                        BE) -> value: block key (8 B) + GPU refs (2 B) +
                                        offload refs (2 B)
-``P:T:p:<bucket hex4>``         HASH   predictions (router): block key -> 2 bytes per
-                                       replica + 4 bytes expiry (ms) each
+``P:T:p:<bucket hex4>``         HASH   predictions (router): block key -> 8 bytes per
+                                       replica: rid (2 B) + expiry, Redis time ms (6 B)
 ``P:T:rid``                     HASH   replica id -> short numeric rid (1..16383)
 ``P:T:rname``                   HASH   rid -> replica id
 ``P:T:ridseq``                  STRING last rid allocated
 ``P:T:ridfree``                 SET    rids released by departed replicas, reused first
 ``P:T:seq``                     HASH   replica id -> last applied event sequence number
-``P:T:load``                    ZSET   router load leases (router issue)
+``P:T:load``                    HASH   shared router load: ``replica NUL router id`` ->
+                                       ``<ddd`` in flight, queued tokens, expiry ms
 ``P:namespaces``                HASH   nsid -> JSON {model, block_size}
 ``P:{replicas}``                HASH   replica id -> JSON registry record
 ``P:{replicas}:seen``           HASH   replica id -> last heartbeat (Redis server time, ms)
