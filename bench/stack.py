@@ -17,9 +17,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 
@@ -34,8 +35,26 @@ def kvrouter_bin() -> str:
     return str(candidate) if candidate.exists() else "kvrouter"
 
 
-def port_block(count: int, start: int = 20_000, stop: int = 60_000) -> int:
-    """First port of ``count`` consecutive loopback ports that are free right now."""
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux; else IANA's)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49_152, 65_535
+
+
+def port_block(count: int, start: int = 20_000, stop: int | None = None) -> int:
+    """First port of ``count`` consecutive loopback ports that are free right now.
+
+    The block stays below the ephemeral range (``stop`` defaults to its first port): there,
+    the stack's own outgoing connections could take a port between this check and the bind.
+    """
+    if stop is None:
+        low, high = ephemeral_ports()
+        start, stop = (start, low) if low - start > count else (high + 1, 65_536)
+    if stop - start <= count:
+        raise StackError(f"no room for {count} ports in {start}..{stop}")
     base = start + (os.getpid() * 97) % (stop - start - count)
     for _ in range(200):
         if all(_free(base + i) for i in range(count)):
@@ -70,6 +89,9 @@ class StackConfig:
     router_args: tuple[str, ...] = ()
     replica_args: tuple[str, ...] = ()
     workdir: Path | None = None
+    # one `kvrouter replica` process per engine (named replica-0 ..), so that a fault can hit
+    # one engine; engine i's id is then replica-i-0 (see LocalStack.replica_ids)
+    replica_processes: bool = False
 
 
 @dataclass
@@ -123,10 +145,17 @@ class LocalStack:
             return f"http://127.0.0.1:{self.haproxy_port}"
         return self.router_urls[0]
 
+    @property
+    def replica_ids(self) -> list[str]:
+        """Engine ids, in port order."""
+        if self.config.replica_processes:
+            return [f"replica-{i}-0" for i in range(self.config.replicas)]
+        return [f"replica-{i}" for i in range(self.config.replicas)]
+
     def replica_specs(self) -> list[str]:
         """``--replica`` flags for the engines (used without Redis)."""
         return [
-            f"replica-{i}=tcp://127.0.0.1:{self.events_port + i},"
+            f"{self.replica_ids[i]}=tcp://127.0.0.1:{self.events_port + i},"
             f"replay=tcp://127.0.0.1:{self.replay_port + i},url={url}"
             for i, url in enumerate(self.replica_urls)
         ]
@@ -161,36 +190,14 @@ class LocalStack:
                 ],
                 None,
             )
-        self._add(
-            "replicas",
-            [
-                kv,
-                "replica",
-                "--count",
-                str(cfg.replicas),
-                "--port",
-                str(self.replica_port),
-                "--events",
-                f"tcp://127.0.0.1:{self.events_port}",
-                "--replay",
-                f"tcp://127.0.0.1:{self.replay_port}",
-                "--model",
-                cfg.model,
-                "--block-size",
-                str(cfg.block_size),
-                "--num-blocks",
-                str(cfg.num_blocks),
-                "--profile",
-                cfg.profile,
-                "--time-scale",
-                str(cfg.time_scale),
-                "--max-num-batched-tokens",
-                str(cfg.max_num_batched_tokens),
-                *redis_flags,
-                *cfg.replica_args,
-            ],
-            f"{self.replica_urls[-1]}/health",
+        groups = (
+            [(f"replica-{i}", i, 1) for i in range(cfg.replicas)]
+            if cfg.replica_processes
+            else [("replicas", 0, cfg.replicas)]
         )
+        for name, first, count in groups:
+            ids = ["--id-prefix", f"replica-{first}-"] if cfg.replica_processes else []
+            self._add_replicas(name, first, count, [*ids, *redis_flags])
         if cfg.redis:
             self._add(
                 "tracker",
@@ -223,6 +230,41 @@ class LocalStack:
         if cfg.haproxy and cfg.routers > 1:
             self._add("haproxy", self._haproxy_argv(), None)
 
+    def _add_replicas(self, name: str, first: int, count: int, flags: list[str]) -> None:
+        cfg = self.config
+        self._add(
+            name,
+            [
+                kvrouter_bin(),
+                "replica",
+                "--count",
+                str(count),
+                "--port",
+                str(self.replica_port + first),
+                # vLLM's rule: a PUB on a named host connects out, only a wildcard binds;
+                # the registered endpoints use --host (127.0.0.1) all the same
+                "--events",
+                f"tcp://*:{self.events_port + first}",
+                "--replay",
+                f"tcp://127.0.0.1:{self.replay_port + first}",
+                "--model",
+                cfg.model,
+                "--block-size",
+                str(cfg.block_size),
+                "--num-blocks",
+                str(cfg.num_blocks),
+                "--profile",
+                cfg.profile,
+                "--time-scale",
+                str(cfg.time_scale),
+                "--max-num-batched-tokens",
+                str(cfg.max_num_batched_tokens),
+                *flags,
+                *cfg.replica_args,
+            ],
+            f"{self.replica_urls[first + count - 1]}/health",
+        )
+
     def _haproxy_argv(self) -> list[str]:
         binary = shutil.which("haproxy")
         if binary is None:
@@ -231,11 +273,20 @@ class LocalStack:
             f"    server router-{i} 127.0.0.1:{p} check inter 500ms fall 2 rise 2"
             for i, p in enumerate(self.router_ports)
         )
+        # as deploy/haproxy.cfg: when every router is out (each answers /health 503 because
+        # no engine is up), connections still reach them and get a fast OpenAI 503 instead of
+        # being cut by haproxy without an answer
+        servers += "\n    option allbackups\n" + "\n".join(
+            f"    server router-{i}-spare 127.0.0.1:{p} backup"
+            for i, p in enumerate(self.router_ports)
+        )
         config = self.workdir / "haproxy.cfg"
         config.write_text(
             "global\n    maxconn 4096\n\n"
             "defaults\n    mode tcp\n    timeout connect 2s\n"
-            "    timeout client 10m\n    timeout server 10m\n\n"
+            "    timeout client 10m\n    timeout server 10m\n"
+            # as deploy/haproxy.cfg: a connection a dead router refuses goes to another one
+            "    retries 2\n    option redispatch\n\n"
             f"frontend kvrouter\n    bind 127.0.0.1:{self.haproxy_port}\n"
             "    default_backend routers\n\n"
             "backend routers\n    balance roundrobin\n"
@@ -245,22 +296,58 @@ class LocalStack:
         return [binary, "-db", "-f", str(config)]
 
     def start(self, timeout_s: float = 60.0) -> LocalStack:
-        """Start every process in dependency order and wait until each one is healthy."""
-        self._plan()
+        """Start every process in dependency order and wait until the stack is assembled.
+
+        Assembled: each process is healthy, the tracker follows every engine's events and
+        every router has every engine in rotation (with Redis, they find the engines in the
+        registry a moment after their own ``/health`` first answers 200).
+        """
         try:
+            self._plan()
+            deadline = time.monotonic() + timeout_s
             for proc in self._procs.values():
                 self._launch(proc)
-                self._wait(proc, timeout_s)
+                self._wait(proc, deadline - time.monotonic())
+            self._wait_assembled(deadline - time.monotonic())
             if "haproxy" in self._procs:
-                self._wait_url(f"{self.entry_url}/health", timeout_s, self._procs["haproxy"])
+                self._wait_url(
+                    f"{self.entry_url}/health", deadline - time.monotonic(), self._procs["haproxy"]
+                )
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _launch(self, proc: _Proc) -> None:
+    def _wait_assembled(self, timeout_s: float) -> None:
+        want = self.config.replicas
+        checks: list[tuple[str, str, Callable[[dict[str, Any]], int]]] = [
+            (f"router-{i}", f"{url}/health", lambda body: int(body["replicas"]["healthy"]))
+            for i, url in enumerate(self.router_urls)
+        ]
+        if "tracker" in self._procs:
+            checks.append(
+                (
+                    "tracker",
+                    f"http://127.0.0.1:{self.tracker_port}/health",
+                    lambda body: len(body["replicas"]),
+                )
+            )
+        deadline = time.monotonic() + timeout_s
+        for name, url, count in checks:
+            proc = self._procs[name]
+            seen = -1
+            while seen < want:
+                self._check_alive(proc)
+                if time.monotonic() > deadline:
+                    raise StackError(f"{name} knows {seen} of {want} replicas after {timeout_s}s")
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+                    seen = count(httpx.get(url, timeout=1.0).json())
+                if seen < want:
+                    time.sleep(0.1)
+
+    def _launch(self, proc: _Proc, extra_args: Sequence[str] = ()) -> None:
         proc.popen = subprocess.Popen(
-            proc.argv,
+            [*proc.argv, *extra_args],
             stdout=proc.log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -312,10 +399,16 @@ class LocalStack:
             if sig in (signal.SIGKILL, signal.SIGTERM):
                 proc.popen.wait(timeout=30)
 
-    def restart(self, name: str, timeout_s: float = 60.0) -> None:
-        """Start a process again (after :meth:`kill`) and wait until it is healthy."""
+    def restart(
+        self, name: str, timeout_s: float = 60.0, *, extra_args: Sequence[str] = ()
+    ) -> None:
+        """Start a process again (after :meth:`kill`) and wait until it is healthy.
+
+        :param extra_args: appended to its command line for this start (later flags win),
+            e.g. another ``--policy`` for a router (the benchmark does that).
+        """
         proc = self._procs[name]
-        self._launch(proc)
+        self._launch(proc, extra_args)
         self._wait(proc, timeout_s)
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
@@ -325,6 +418,7 @@ class LocalStack:
             popen = proc.popen
             if popen is not None and popen.poll() is None:
                 popen.terminate()
+                popen.send_signal(signal.SIGCONT)  # a stopped process (SIGSTOP) must run to exit
                 try:
                     popen.wait(timeout=timeout_s)
                 except subprocess.TimeoutExpired:
@@ -339,3 +433,80 @@ class LocalStack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def describe(self) -> dict[str, Any]:
+        """Where everything listens (for people: ``python -m bench.stack`` prints it)."""
+        out: dict[str, Any] = {
+            "entry": self.entry_url,
+            "routers": self.router_urls,
+            "replicas": self.replica_urls,
+            "events": [
+                f"tcp://127.0.0.1:{self.events_port + i}" for i in range(self.config.replicas)
+            ],
+            "replay": [
+                f"tcp://127.0.0.1:{self.replay_port + i}" for i in range(self.config.replicas)
+            ],
+            "logs": str(self.workdir),
+        }
+        if self.redis_url is not None:
+            out["redis"] = self.redis_url
+            out["tracker"] = f"http://127.0.0.1:{self.tracker_port}"
+        return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.stack``: start the local stack, print where it listens, stop on Ctrl-C."""
+    import argparse
+    import json
+
+    defaults = StackConfig()
+    parser = argparse.ArgumentParser(prog="python -m bench.stack", description=__doc__)
+    parser.add_argument("--replicas", type=int, default=defaults.replicas)
+    parser.add_argument("--routers", type=int, default=defaults.routers)
+    parser.add_argument("--no-redis", action="store_true", help="embedded: one router, no tracker")
+    parser.add_argument("--no-haproxy", action="store_true", help="clients talk to router-0")
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
+    parser.add_argument("--time-scale", type=float, default=defaults.time_scale)
+    parser.add_argument("--workdir", type=Path, help="log directory (default: a new temp dir)")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="startup budget")
+    args = parser.parse_args(argv)
+    config = StackConfig(
+        replicas=args.replicas,
+        routers=1 if args.no_redis else args.routers,
+        redis=not args.no_redis,
+        haproxy=not args.no_haproxy,
+        model=args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        time_scale=args.time_scale,
+        workdir=args.workdir,
+    )
+    stack = LocalStack(config)
+    stopping = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        stack.start(args.timeout_s)
+        print(json.dumps(stack.describe(), indent=2), flush=True)
+        print("stack ready; Ctrl-C stops it", file=sys.stderr, flush=True)
+        while not stopping:
+            time.sleep(0.2)
+    except StackError as exc:
+        print(f"bench.stack: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        codes = stack.stop()
+    print(f"stopped: {codes}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -145,6 +145,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Distinct block hashes in the prefix-cache map (in use or free)."""
+        return len(self._cached)
+
     def usage(self) -> float:
         """Fraction of blocks held by requests (free cached blocks count as free, like vLLM)."""
         return 1.0 - len(self._free) / len(self.blocks)

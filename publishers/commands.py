@@ -20,6 +20,7 @@ from tracker.settings import setting
 _ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 _TCP: Final = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d{1,5})$")
 WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+LOOPBACK_ADDRESSES: Final = frozenset({"127.0.0.1", "::1", "[::1]"})
 
 
 def tcp_parts(endpoint: str, what: str) -> tuple[str, int]:
@@ -55,9 +56,14 @@ class ReplicaSettings(LogSettings):
     id_prefix: str = setting("replica-", "engine ids are <prefix>0 .. <prefix>N-1")
     host: str = setting("127.0.0.1", "HTTP bind address")
     port: int = setting(8000, "HTTP port of the first engine")
-    events: str = setting("tcp://*:5557", "ZMQ PUB endpoint of the first engine")
+    events: str = setting(
+        "tcp://127.0.0.1:5557",
+        "ZMQ PUB endpoint of the first engine: bound on a wildcard (tcp://*:5557) or loopback "
+        "address, connected to for any other host (vLLM's rule; tcp://localhost:P connects)",
+    )
     replay: str | None = setting(
-        "tcp://*:5558", "ZMQ ROUTER replay endpoint of the first engine; 'none' disables"
+        "tcp://127.0.0.1:5558",
+        "ZMQ ROUTER replay endpoint of the first engine (always bound); 'none' disables",
     )
     topic: str = setting("", "topic frame of every event message (vLLM's default is empty)")
     era: str = setting("v0.24.0", "vLLM release whose wire format to emit (e.g. v0.11.0)")
@@ -67,6 +73,7 @@ class ReplicaSettings(LogSettings):
     )
     model: str = setting("default", "served model name")
     max_model_len: int | None = setting(None, "longest prompt + output (default: cache size)")
+    max_body_bytes: int = setting(32 << 20, "largest accepted request body (413 above)")
     block_size: int = setting(16, "KV-cache block size in tokens")
     num_blocks: int = setting(4096, "KV-cache blocks per engine")
     max_num_batched_tokens: int = setting(8192, "scheduler token budget per step")
@@ -83,6 +90,9 @@ class ReplicaSettings(LogSettings):
     heartbeat_s: float = setting(5.0, "seconds between registry heartbeats")
     ttl_s: float = setting(15.0, "registry entries expire this long after the last heartbeat")
     shutdown_timeout_s: float = setting(5.0, "graceful drain budget for in-flight requests")
+    faults: bool = setting(
+        False, "simulation only: accept POST /kvrouter/faults (event loss, for fault drills)"
+    )
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -103,6 +113,8 @@ class ReplicaSettings(LogSettings):
             raise ConfigError("block-size and num-blocks must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max-model-len must be positive")
+        if self.max_body_bytes <= 0:
+            raise ConfigError("max-body-bytes must be positive")
         if self.time_scale <= 0:
             raise ConfigError("time-scale must be positive")
         if not 0 < self.heartbeat_s * 2 <= self.ttl_s:

@@ -27,6 +27,7 @@ import msgspec
 
 from publishers.cache import BlockPool, CachedBlock, KVCacheManager, TokenSequence, none_hash
 from publishers.latency import LatencyProfile, load_profile
+from publishers.probe import EngineProbe, EngineShape, QueuedWork, probe
 from tracker.events import Event
 
 __all__ = ["CachedBlock", "EngineConfig", "EngineStats", "EventSink", "GenerationRequest"]
@@ -199,6 +200,8 @@ class SimulatedEngine:
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
         self._stepping = False
+        self._step_end = 0.0  # loop time at which the step in flight ends
+        self._in_step: dict[str, int] = {}  # tokens the step in flight computes, per request
         self._queries = self._hits = self._preemptions = self._steps = self._generated = 0
 
     async def start(self) -> None:
@@ -292,6 +295,41 @@ class SimulatedEngine:
         """No request queued or running and no step in flight (all events published)."""
         return not self._requests and not self._stepping
 
+    def probe(self, token_ids: list[int], cache_salt: str | None = None) -> EngineProbe:
+        """What the scheduler would do with this prompt now (the benchmark oracle; not vLLM).
+
+        Changes nothing; see :mod:`publishers.probe`.
+        """
+        config = self.config
+        seq = TokenSequence(
+            token_ids, block_size=config.block_size, root=self._root, cache_salt=cache_salt
+        )
+
+        def work(state: _Request) -> QueuedWork:
+            # tokens to compute before the next output: all but the last sampled one
+            target = state.seq.num_tokens - (1 if state.num_output else 0)
+            return QueuedWork(
+                state.seq,
+                target,
+                state.num_computed + self._in_step.get(state.request_id, 0),
+                state.max_tokens - state.num_output,
+                self._kv.num_blocks(state.request_id),
+            )
+
+        left = 0.0
+        if self._stepping and config.time_scale > 0:
+            loop_left = self._step_end - asyncio.get_running_loop().time()
+            left = max(0.0, loop_left) * 1000.0 / config.time_scale
+        return probe(
+            seq,
+            kv=self._kv,
+            profile=self.profile,
+            shape=EngineShape(config.block_size, config.num_blocks, config.max_num_batched_tokens),
+            waiting=[work(s) for s in self._waiting],
+            running=[work(s) for s in self._running],
+            step_left_ms=left,
+        )
+
     def cached_blocks(self) -> dict[int, CachedBlock]:
         """Every block in the prefix-cache map (in use or free), by event hash."""
         return self._pool.cached_blocks()
@@ -311,12 +349,15 @@ class SimulatedEngine:
                     await self._wake.wait()
                     continue
                 duration = self._step_ms(scheduled) * self.config.time_scale / 1000.0
+                self._step_end = started + duration
+                self._in_step = {state.request_id: count for state, count, _ in scheduled}
                 self._stepping = True
                 try:
                     await asyncio.sleep(max(0.0, started + duration - loop.time()))
                     self._update(scheduled)
                 finally:
                     self._stepping = False
+                    self._in_step = {}
         except Exception:
             logger.exception("simulated engine step loop crashed")
             for request_id in list(self._requests):

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import zmq
 from prometheus_client import CollectorRegistry
 
-from publishers.commands import WILDCARD_HOSTS, ReplicaSettings, tcp_parts
+from publishers.commands import LOOPBACK_ADDRESSES, WILDCARD_HOSTS, ReplicaSettings, tcp_parts
 from publishers.engine import EngineConfig, SimulatedEngine
+from publishers.faults import debug_routes
 from publishers.registration import RegistrationService
 from publishers.server import create_app
 from publishers.serving import HTTPServer, bind
@@ -123,6 +124,8 @@ class FleetService:
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        # vLLM's rule, except that a loopback address is bound too (the safe default)
+        bound = binds(events) or tcp_parts(events, "events")[0] in LOOPBACK_ADDRESSES
         try:
             publisher = ZmqEventPublisher(
                 events,
@@ -130,6 +133,7 @@ class FleetService:
                 topic=s.topic.encode(),
                 era=s.wire_era,
                 replay_layout="topic" if s.replay_layout == "topic" else "legacy",
+                bind=bound,
             )
         except zmq.ZMQError as exc:
             raise ConfigError(f"{replica_id}: cannot open {events} / {replay}: {exc}") from None
@@ -146,7 +150,14 @@ class FleetService:
                 f"{replica_id}: cannot listen on {s.host}:{s.port + i}: {exc}"
             ) from None
         await engine.start()
-        app = create_app(engine, self.tokenizer, model=s.model, registry=CollectorRegistry())
+        app = create_app(
+            engine,
+            self.tokenizer,
+            model=s.model,
+            registry=CollectorRegistry(),
+            max_body_bytes=s.max_body_bytes,
+        )
+        app.router.routes.extend(debug_routes(engine, publisher, model=s.model, faults=s.faults))
         server = HTTPServer(app, sock, shutdown_timeout_s=s.shutdown_timeout_s)
         try:
             await server.start()
@@ -162,7 +173,7 @@ class FleetService:
             block_size=s.block_size,
             url=f"http://{host}:{s.port + i}",
             # a PUB that connects out (vLLM's rule for a named host) has nothing to connect to
-            events=f"tcp://{host}:{tcp_parts(events, 'events')[1]}" if binds(events) else None,
+            events=f"tcp://{host}:{tcp_parts(events, 'events')[1]}" if bound else None,
             replay=f"tcp://{host}:{tcp_parts(replay, 'replay')[1]}" if replay else None,
             instance=self.instance,
             ttl_s=s.ttl_s,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Final, TypeVar
+from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 from starlette.responses import Response
@@ -64,9 +64,19 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     return_token_strs: bool = False
 
 
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+
+
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+class ProbeRequest(msgspec.Struct, kw_only=True):
+    """``POST /kvrouter/probe`` (simulation only): a prompt's token ids."""
+
+    token_ids: list[TokenId] = msgspec.field(default_factory=list)
+    cache_salt: str | None = None
 
 
 class RequestError(Exception):
@@ -107,6 +117,12 @@ T = TypeVar("T")
 
 def decode(body: bytes, kind: type[T]) -> T:
     """Decode a JSON request body, turning every failure into a 400."""
+    if not body.isascii():
+        # msgspec skips unknown keys unchecked: invalid UTF-8 there would pass unnoticed
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError("invalid JSON body: not UTF-8") from None
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:

@@ -6,6 +6,9 @@ Tokenization: ``/tokenize``, ``/detokenize`` and vLLM's render endpoints, answer
 (never queued behind simulated compute; large prompts are tokenized on a worker thread).
 Operations: ``/v1/models``, ``/health``, ``/metrics`` (vLLM's metric names),
 ``/reset_prefix_cache``. Every response carries ``X-Request-Id`` (the client's, if sent).
+Simulation only, not part of vLLM: ``POST /kvrouter/probe`` (``{"token_ids": [...],
+"cache_salt": null}``) answers what the engine would reuse and how long the prompt would wait
+right now (:mod:`publishers.probe`), for the benchmark's oracle policy.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -27,27 +32,54 @@ from publishers import protocol as wire
 from publishers.engine import GenerationRequest, RequestStream, SimulatedEngine
 from publishers.metrics import ServerMetrics
 from publishers.protocol import Head, RequestError
-from publishers.serving import RequestIdMiddleware
+from publishers.serving import BodyLimitMiddleware, RequestIdMiddleware
 from tracker.tokens import TokenizationError, Tokenizer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS: Final = 16
+DEFAULT_MAX_BODY_BYTES: Final = 32 << 20
 THREAD_BODY_BYTES: Final = 4096  # bodies above this are tokenized off the event loop
 _RESERVED_TEMPLATE_KEYS: Final = frozenset({"messages", "tools", "add_generation_prompt"})
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+def _json_body(request: Request) -> None:
+    """vLLM (FastAPI) reads a body as JSON only when it is declared so, or not declared."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.partition(";")[0].strip().lower()
+    json = media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+    if not json:
+        raise RequestError(f"Unsupported content type {declared[:100]!r}: send application/json.")
+
+
 def _openai_errors(handler: Handler) -> Handler:
     async def wrapped(request: Request) -> Response:
         try:
+            _json_body(request)
             return await handler(request)
         except RequestError as exc:
             return wire.error_response(exc)
         except TokenizationError as exc:
             return wire.error_response(RequestError(str(exc)))
+        except Exception:
+            # a bug: logged with its traceback; the client gets vLLM's error shape, no details
+            logger.exception("request failed", extra={"path": request.url.path})
+            return wire.error_response(RequestError("internal error", 500))
 
     return wrapped
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 / 405 in vLLM's error shape instead of plain text."""
+    assert isinstance(exc, HTTPException)
+    response = wire.json_response(wire.error_body(exc.detail, exc.status_code), exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def _first_set(*values: int | None) -> int | None:
@@ -350,6 +382,11 @@ class _Server:
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
+    async def probe(self, request: Request) -> Response:
+        body = wire.decode(await request.body(), wire.ProbeRequest)
+        answer = self.engine.probe(body.token_ids, body.cache_salt)
+        return Response(msgspec.json.encode(answer), media_type="application/json")
+
     async def reset_prefix_cache(self, request: Request) -> Response:
         # vLLM answers 200 without checking the outcome; the log says what happened
         done = await self.engine.reset_prefix_cache()
@@ -364,6 +401,7 @@ def create_app(
     model: str,
     registry: CollectorRegistry,
     max_model_len: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Starlette:
     """The OpenAI-compatible app around a started ``engine``.
 
@@ -371,6 +409,7 @@ def create_app(
     :param model: the served model name; requests naming another model get a 404.
     :param registry: where the vLLM-named metrics are registered (served on ``/metrics``).
     :param max_model_len: longest prompt + output; default (and upper bound): the engine's.
+    :param max_body_bytes: larger request bodies are refused (413) before anything reads them.
     """
     config = engine.config
     # the engine's own limit (its max_model_len, at most its KV cache) always applies
@@ -395,10 +434,16 @@ def create_app(
         post("/tokenize", server.tokenize),
         post("/detokenize", server.detokenize),
         post("/reset_prefix_cache", server.reset_prefix_cache),
+        post("/kvrouter/probe", server.probe),
         Route("/v1/models", server.models),
         Route("/health", server.health),
         Route("/metrics", metrics),
     ]
-    app = Starlette(routes=list(routes))
+    app = Starlette(routes=list(routes), exception_handlers={HTTPException: _http_error})
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=max_body_bytes,
+        error=lambda message: msgspec.json.encode(wire.error_body(message, 413)),
+    )
     app.add_middleware(RequestIdMiddleware)
     return app

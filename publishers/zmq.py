@@ -62,10 +62,13 @@ class ZmqEventPublisher:
         era: wire format to encode (:class:`tracker.events.WireEra`).
         replay_layout: ``"legacy"`` (vLLM <= 0.24.x, 0.25.1) or ``"topic"`` (with a topic
             frame, vLLM main from 2026-07).
-        buffer_steps: how many published batches replay can serve.
+        buffer_steps: how many published batches replay can serve (vLLM's default; the
+            buffer costs about 1.5 kB per batch, and an engine publishes a batch per step).
         data_parallel_rank: stamped into each batch; rank > 0 offsets the endpoints like vLLM.
         hwm: high-water mark of the PUB socket.
         context: ZeroMQ context to use; by default a private one, terminated by :meth:`close`.
+        bind: bind (``True``) or connect (``False``) the PUB socket; ``None``: vLLM's rule,
+            :func:`binds`.
 
     Attributes ``endpoint`` and ``replay_endpoint`` hold the addresses actually in use (rank
     offset applied, wildcard ports resolved).
@@ -78,11 +81,12 @@ class ZmqEventPublisher:
         topic: bytes = b"",
         era: WireEra = WireEra.V0_24_0,
         replay_layout: Literal["legacy", "topic"] = "legacy",
-        buffer_steps: int = 1_000_000,
+        buffer_steps: int = 10_000,
         data_parallel_rank: int = 0,
         hwm: int = 100_000,
         *,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        bind: bool | None = None,
     ) -> None:
         if replay_layout not in ("legacy", "topic"):
             raise ValueError(f"replay_layout must be 'legacy' or 'topic', got {replay_layout!r}")
@@ -99,6 +103,7 @@ class ZmqEventPublisher:
         self._queue: queue.SimpleQueue[EventBatch] = queue.SimpleQueue()
         self._seq = 0
         self._drop_live = 0
+        self._lose = 0
         self._closed = False
         self._pub = self._context.socket(zmq.PUB)
         self._replay: zmq.Socket[bytes] | None = None
@@ -106,7 +111,7 @@ class ZmqEventPublisher:
         try:
             self._pub.set_hwm(hwm)
             target = endpoint_for_rank(endpoint, data_parallel_rank)
-            if binds(target):
+            if binds(target) if bind is None else bind:
                 self._pub.bind(target)
             else:
                 self._pub.connect(target)
@@ -156,6 +161,14 @@ class ZmqEventPublisher:
         a network path loses them: a sequence gap that replay can repair.
         """
         self._drop_live += batches
+
+    def lose(self, batches: int = 1) -> None:
+        """Fault injection: the next ``batches`` batches are neither sent nor kept for replay.
+
+        The replay buffer is emptied as they pass, as a bounded buffer overflows while its
+        consumer is away: a subscriber sees a sequence gap that replay cannot repair.
+        """
+        self._lose += batches
 
     def close(self) -> None:
         """Send what is queued, stop the thread and close the sockets (linger 0)."""
@@ -215,6 +228,10 @@ class ZmqEventPublisher:
             # vLLM consumes the sequence number too: consumers see an unreplayable gap.
             self.encode_errors += 1
             logger.exception("dropping an event batch that cannot be encoded", extra={"seq": seq})
+            return
+        if self._lose > 0:
+            self._lose -= 1
+            self._buffer.clear()
             return
         self._buffer.append((seq, payload))
         if self._drop_live > 0:

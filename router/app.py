@@ -8,6 +8,7 @@ is this prompt cached, and where would it go), ``GET /replicas``, ``GET /metrics
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -23,18 +24,21 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from router.auth import KeyCheck, load_keys
+from router.baselines import Tools, make_baseline
 from router.breaker import GuardedIndex
 from router.config import RouterSettings
 from router.errors import AuthError, BadRequestError, RouterError, openai_error_body, status_of
 from router.estimator import SpeedBook
 from router.health import ReplicaMonitor
-from router.load import LoadBoard, LocalLoadBoard
+from router.load import Load, LoadBoard, LocalLoadBoard
 from router.metrics import MismatchDetector, RouterMetrics
 from router.placement import Placement, Placer, TokenizerBook
 from router.proxy import CLIENT_CLOSED, Proxy, read_body
 from router.replicas import Replica, ReplicaSet
 from router.requests import parse
 from router.upstream import UpstreamClient
+from tracker.blocks import Namespace
+from tracker.errors import IndexUnavailableError
 from tracker.index import BlockIndex
 
 logger = logging.getLogger(__name__)
@@ -80,6 +84,7 @@ class Router:
             self.load,
             self.metrics,
             budget_s=settings.lookup_timeout_ms / 1000,
+            per_block_s=settings.lookup_timeout_per_block_us / 1e6,
             failures=settings.breaker_failures,
             cooldown_s=settings.breaker_cooldown_s,
         )
@@ -95,6 +100,11 @@ class Router:
             shared=self.shared,
             speeds=self.speeds,
             metrics=self.metrics,
+        )
+        self.placer.baseline = make_baseline(
+            settings,
+            Tools(self.load, self._shared_loads, self.placer.token_ids, self.upstream),
+            self.placer.rng,
         )
         detector = MismatchDetector(
             self.metrics, window=settings.mismatch_window, ratio=settings.mismatch_ratio
@@ -128,9 +138,14 @@ class Router:
         self.draining = False
         self.created = int(time.time())
 
+    async def _shared_loads(self, namespace: Namespace) -> dict[str, Load]:
+        loads, _ = await self.shared.loads(namespace, self.settings.lookup_timeout_ms / 1000)
+        return loads
+
     async def start(self) -> None:
         await self.load.start()
         await self.monitor.start()
+        await self._warm_up()
         logger.info(
             "router ready",
             extra={
@@ -140,6 +155,20 @@ class Router:
                 "load": type(self.load).__name__,
             },
         )
+
+    async def _warm_up(self) -> None:
+        """Open the index and load-board connections and load their scripts before serving.
+
+        A cold connection plus script load can exceed the lookup budget, which would make
+        the first requests after a (re)start fall back to load-only routing.
+        """
+        namespace = Namespace("kvrouter-warm-up", 16)
+        try:
+            async with asyncio.timeout(5.0):
+                await self.index.lookup(namespace, [0])
+                await self.load.snapshot(namespace)
+        except (IndexUnavailableError, TimeoutError) as exc:
+            logger.warning("index not reachable at start-up", extra={"error": str(exc)})
 
     async def stop(self) -> None:
         await self.monitor.stop()

@@ -96,6 +96,9 @@ class GuardedIndex:
     """The index and load board behind a time budget and a circuit breaker.
 
     :param budget_s: how long one lookup (placements and load, concurrently) may take.
+    :param per_block_s: extra budget per block of the chain: the server-side walk is linear
+        in the prompt's cached blocks (~1 µs each), so a 100k-token prompt needs more time
+        than a short one, and a fixed budget would route long prompts on load alone.
     """
 
     def __init__(
@@ -107,11 +110,13 @@ class GuardedIndex:
         budget_s: float,
         failures: int,
         cooldown_s: float,
+        per_block_s: float = 0.0,
     ) -> None:
         self.index = index
         self.load = load
         self.metrics = metrics
         self.budget_s = budget_s
+        self.per_block_s = per_block_s
         self.breaker = CircuitBreaker(failures, cooldown_s, on_change=self._changed)
         self._pending: set[asyncio.Task[None]] = set()
         self._outage = False
@@ -133,7 +138,7 @@ class GuardedIndex:
         if not self.breaker.allow():
             return self._fallback(namespace, "breaker_open")
         try:
-            async with asyncio.timeout(self.budget_s):
+            async with asyncio.timeout(self.budget_s + self.per_block_s * len(keys)):
                 matches, loads = await asyncio.gather(
                     self.index.lookup(namespace, keys), self.load.snapshot(namespace)
                 )

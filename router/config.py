@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from router.policy import PolicyConfig
 from tracker.config import LogSettings
 from tracker.errors import ConfigError
 from tracker.replicas import ReplicaSpec
 from tracker.settings import setting
+
+POLICIES: Final = ("ttft", "linear", "round-robin", "least-load", "seed", "sglang", "oracle")
 
 
 def model_paths(entries: tuple[str, ...], what: str) -> tuple[str | None, dict[str, str]]:
@@ -64,13 +67,33 @@ class RouterSettings(LogSettings):
     upstream_api_key: str | None = setting(
         None, "bearer key sent to replicas (vLLM --api-key)", secret=True
     )
-    policy: str = setting("ttft", "routing policy", choices=("ttft", "linear"))
+    policy: str = setting(
+        "ttft",
+        "routing policy: ttft (kvrouter), linear; baselines for benchmarks: round-robin, "
+        "least-load, seed, sglang, oracle (simulated engines only)",
+        choices=POLICIES,
+    )
     hit_weight: float = setting(1.0, "linear policy: weight of a cached block")
     load_weight: float = setting(1.0, "linear policy: weight of a request in flight")
+    seed_user_chars: int = setting(
+        0, "seed policy: characters of the first user message hashed with the system prompt"
+    )
+    sglang_cache_threshold: float = setting(
+        0.3, "sglang policy: matched share of the text above which the matching replica wins"
+    )
+    sglang_balance_abs_threshold: int = setting(
+        64, "sglang policy: in-flight spread (max - min) above which load alone decides"
+    )
+    sglang_balance_rel_threshold: float = setting(
+        1.5, "sglang policy: ... and max in flight above this multiple of min"
+    )
     offload_hit_cost: float = setting(0.3, "cost of an offload-tier hit relative to recompute")
     temperature: float = setting(0.0, "softmax temperature in ms (0: best score, random ties)")
     tie_epsilon_ms: float = setting(1.0, "expected TTFTs this close are a tie")
     lookup_timeout_ms: float = setting(10.0, "time budget of the index lookup and load snapshot")
+    lookup_timeout_per_block_us: float = setting(
+        2.0, "extra lookup budget per block of the prompt, in µs (long prompts walk more blocks)"
+    )
     breaker_failures: int = setting(3, "index failures in a row that open the circuit breaker")
     breaker_cooldown_s: float = setting(2.0, "how long the open breaker skips the index")
     predict_ttl_s: float = setting(
@@ -135,11 +158,20 @@ class RouterSettings(LogSettings):
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive")
-        for name in ("retries", "predict_ttl_s", "metrics_interval_s", "tokenizer_cache_tokens"):
+        for name in (
+            "retries",
+            "predict_ttl_s",
+            "metrics_interval_s",
+            "tokenizer_cache_tokens",
+            "lookup_timeout_per_block_us",
+            "seed_user_chars",
+            "sglang_balance_abs_threshold",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
         if not 0 < self.load_renew_s < self.lease_ttl_s:
             raise ConfigError("need 0 < load-renew-s < lease-ttl-s")
+        self._check_baselines()
         if not 0 < self.mismatch_ratio <= 1:
             raise ConfigError("mismatch-ratio must be in (0, 1]")
         if self.router_id is not None and (not self.router_id or "\x00" in self.router_id):
@@ -148,6 +180,12 @@ class RouterSettings(LogSettings):
             self.policy_config(self.block_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    def _check_baselines(self) -> None:
+        if not 0 <= self.sglang_cache_threshold <= 1:
+            raise ConfigError("sglang-cache-threshold must be in [0, 1]")
+        if not self.sglang_balance_rel_threshold >= 1:
+            raise ConfigError("sglang-balance-rel-threshold must be >= 1")
 
     @property
     def replica_specs(self) -> list[ReplicaSpec]:

@@ -58,6 +58,14 @@ class PayloadTooLargeError(RouterError):
     code = "request_too_large"
 
 
+class UnsupportedMediaTypeError(RouterError):
+    """The request body is declared as something other than JSON (415)."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
 class UpstreamError(RouterError):
     """The chosen replica failed, refused the connection or answered garbage (502)."""
 

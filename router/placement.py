@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
+from router.baselines import Baseline, Choice
 from router.breaker import GuardedIndex
 from router.config import RouterSettings, model_paths
 from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError
@@ -122,8 +123,10 @@ class Placer:
         speeds: SpeedBook,
         metrics: RouterMetrics,
         rng: random.Random | None = None,
+        baseline: Baseline | None = None,
     ) -> None:
         self.settings = settings
+        self.baseline = baseline
         self.replicas = replicas
         self.tokenizers = tokenizers
         self.shared = shared
@@ -189,6 +192,8 @@ class Placer:
             raise NoReplicaError(f"no healthy replica serves the model `{model}`")
         block_size = self._block_size(model, candidates)
         namespace = Namespace(model, block_size)
+        if self.baseline is not None:
+            return await self._place_baseline(request, model, namespace, candidates, dry_run)
         stages: dict[str, float] = {}
         started = time.perf_counter()
         fallback: str | None = None
@@ -246,3 +251,23 @@ class Placer:
             for stage, seconds in stages.items():
                 self.metrics.decision.labels(stage).observe(seconds)
         return Placement(model, namespace, len(ids), keys, view.matches, decision, fallback, stages)
+
+    async def _place_baseline(
+        self,
+        request: PromptRequest,
+        model: str,
+        namespace: Namespace,
+        candidates: Sequence[Replica],
+        dry_run: bool,
+    ) -> Placement:
+        """A benchmark baseline's decision (:mod:`router.baselines`); the index is not used."""
+        assert self.baseline is not None
+        stages: dict[str, float] = {}
+        started = time.perf_counter()
+        choice = Choice(request, model, namespace, candidates)
+        decision, prompt_tokens = await self.baseline.choose(choice, stages)
+        stages["total"] = time.perf_counter() - started
+        if not dry_run:
+            for stage, seconds in stages.items():
+                self.metrics.decision.labels(stage).observe(seconds)
+        return Placement(model, namespace, prompt_tokens, [], {}, decision, None, stages)

@@ -4,8 +4,8 @@ Per attempt a load lease is taken (released in a ``finally``), the chosen replic
 predicted to hold the prompt's blocks, and the request is sent. Until the answer's first
 byte reaches the client (for a stream: its first chunk, which also gives the TTFT) a failed
 connection or a 5xx is retried on the next-best replica; after that, an upstream failure
-can only end the stream. A client that leaves cancels the upstream request: its connection
-is closed, which vLLM takes as an abort.
+can only end the stream, with an OpenAI error event and ``[DONE]``. A client that leaves
+cancels the upstream request: its connection is closed, which vLLM takes as an abort.
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ from starlette.types import Receive, Scope, Send
 
 from router.breaker import GuardedIndex
 from router.config import RouterSettings
-from router.errors import NoReplicaError, PayloadTooLargeError, UpstreamError
+from router.errors import (
+    NoReplicaError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+    UpstreamError,
+)
 from router.estimator import SpeedBook
 from router.load import LoadBoard
 from router.metrics import MismatchDetector, RouterMetrics
@@ -33,7 +38,7 @@ from router.placement import Placement, Placer
 from router.policy import Score
 from router.replicas import Replica
 from router.requests import PATHS, Endpoint, PromptRequest, cached_tokens, parse, upstream_body
-from router.sse import UsageFilter
+from router.sse import UsageFilter, error_event
 from router.upstream import UpstreamClient, UpstreamResponse, failure_kind, passthrough_headers
 
 logger = logging.getLogger(__name__)
@@ -42,12 +47,29 @@ T = TypeVar("T")
 REPLICA_HEADER: Final = "x-kvrouter-replica"
 PREDICTED_HEADER: Final = "x-kvrouter-cached-tokens-predicted"
 FALLBACK_HEADER: Final = "x-kvrouter-fallback"
+DECISION_HEADER: Final = "x-kvrouter-decision-ms"
 CLIENT_CLOSED: Final = 499
 _decode = msgspec.json.Decoder().decode
 
 
+def _json_media_type(content_type: str) -> bool:
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or :class:`PayloadTooLargeError` past ``limit`` bytes."""
+    """The JSON request body, or :class:`PayloadTooLargeError` past ``limit`` bytes.
+
+    :raises UnsupportedMediaTypeError: the body is declared as something else than JSON (no
+        ``Content-Type`` at all is taken as JSON, as vLLM does).
+    """
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not _json_media_type(content_type):
+        raise UnsupportedMediaTypeError(
+            f"Unsupported content type {content_type[:100]!r}: send application/json."
+        )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"the request body exceeds {limit} bytes")
@@ -311,6 +333,7 @@ class Proxy:
         headers["x-request-id"] = call.headers["x-request-id"]
         headers[REPLICA_HEADER] = attempt.replica.id
         headers[PREDICTED_HEADER] = str(attempt.score.matched_tokens)
+        headers[DECISION_HEADER] = f"{call.placement.stages.get('total', 0.0) * 1000:.3f}"
         if call.placement.fallback is not None:
             headers[FALLBACK_HEADER] = call.placement.fallback
         return headers
@@ -368,6 +391,7 @@ class Proxy:
                 "upstream stream broke; ending the client's stream",
                 extra={"replica": attempt.replica.id, "error": exc.message},
             )
+            yield error_event(exc)  # whole events only were sent: this one starts cleanly
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
@@ -385,7 +409,9 @@ class Proxy:
         if outcome == "client_disconnect":
             self.metrics.disconnects.labels(call.endpoint).inc()
         placement = call.placement
-        if engine is not None and placement.fallback is None and call.request.batch == 1:
+        # a prediction to check needs block keys (baseline policies compute none)
+        checkable = placement.fallback is None and bool(placement.keys)
+        if engine is not None and checkable and call.request.batch == 1:
             size = placement.namespace.block_size
             held = placement.matches.get(attempt.replica.id)
             real = (held.blocks - held.predicted_blocks) * size if held is not None else 0

@@ -57,10 +57,11 @@ def _typed(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
 
 
 def _token_ids(value: Any) -> bool:
+    """A non-empty list of token ids, each in [0, 2**32) (block keys hash them as uint32)."""
     return (
         isinstance(value, list)
         and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in value)
     )
 
 
@@ -120,7 +121,10 @@ def parse(raw: bytes, endpoint: Endpoint) -> PromptRequest:
             raise BadRequestError("give exactly one of 'messages', 'prompt' and 'token_ids'")
         if "token_ids" in body:
             if not _token_ids(body["token_ids"]):
-                raise BadRequestError("'token_ids' must be a list of integers", param="token_ids")
+                raise BadRequestError(
+                    "'token_ids' must be a non-empty list of integers in [0, 2**32)",
+                    param="token_ids",
+                )
             return PromptRequest(**common, token_ids=list(body["token_ids"]))
         endpoint = "chat" if "messages" in body else "completions"
     if endpoint == "chat":

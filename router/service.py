@@ -46,9 +46,13 @@ class _Server(uvicorn.Server):
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        return socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
+        sock = socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    # asyncio disables Nagle (TCP_NODELAY) only on accepted sockets whose proto says TCP, and
+    # create_server leaves it 0: without this, small SSE chunks on a kept-alive connection
+    # wait for the client's delayed ACK (up to 40 ms on Linux).
+    return socket.socket(sock.family, sock.type, socket.IPPROTO_TCP, fileno=sock.detach())
 
 
 def tracker_settings(settings: RouterSettings) -> TrackerSettings:

@@ -3,6 +3,7 @@
 The relay forwards whole events as soon as they are complete, so it can recognise the final
 usage chunk (``"choices": []`` plus ``"usage"``), read the engine's ``cached_tokens`` from it,
 and drop it when only the router asked for it. Events without ``"usage"`` are never decoded.
+A stream whose upstream breaks ends with :func:`error_event` (never a silent truncation).
 """
 
 from __future__ import annotations
@@ -12,10 +13,21 @@ from typing import Any, Final
 
 import msgspec
 
+from router.errors import openai_error_body
 from router.requests import cached_tokens
 
 _BOUNDARY: Final = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+def error_event(exc: BaseException) -> bytes:
+    """The end of a stream that broke after its first byte: an error event, then ``[DONE]``.
+
+    vLLM ends a failed stream the same way; OpenAI clients raise on the ``error`` event, so a
+    cut stream cannot pass for a complete answer.
+    """
+    return b"data: " + _encode(openai_error_body(exc)) + b"\n\ndata: [DONE]\n\n"
 
 
 class UsageFilter:

@@ -7,16 +7,19 @@ template (cheap), splits the text exactly as the tokenizer does, looks every pie
 bounded LRU keyed by its xxh3-128 hash, encodes only the misses (one ``encode_batch`` call
 in a worker thread, which releases the GIL; concurrent requests needing the same piece share
 that call), and assembles. A repeated system prompt or conversation history costs a hash
-and a lookup instead of ~1 us per token. Where the split is not provably exact the whole
-text is encoded as one piece, still cached by its hash. ``tests/router/test_tokenize.py``
-proves equality with ``Tokenizer.chat_token_ids`` / ``prompt_token_ids`` by property tests.
+and a lookup instead of ~1 us per token. Pieces are cached as tuples of shared int objects
+(8 bytes per token; the garbage collector stops tracking them), so assembling a prompt's ids
+copies pointers instead of creating an int object per token. Where the split is not
+provably exact the whole text is encoded as one piece, still cached by its hash.
+``tests/router/test_tokenize.py`` proves equality with ``Tokenizer.chat_token_ids`` /
+``prompt_token_ids`` by property tests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import operator
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor
@@ -29,32 +32,35 @@ import xxhash
 from router.segments import plan_segments, split_pieces
 from tracker.tokens import Message, TokenizationError, Tokenizer
 
-_ENTRY_OVERHEAD: Final = 32  # tokens' worth (4 bytes each) of dict entry, key and array header
+_ENTRY_OVERHEAD: Final = 32  # tokens' worth (8 bytes each) of dict entry, key and tuple header
 _PIECE_SEED: Final = 0  # a piece encoded without special tokens
 _WHOLE_SEED: Final = 1  # a whole prompt encoded with special tokens
 
 
+Ids = tuple[int, ...]
+
+
 class _SegmentCache:
-    """Bounded LRU of token id arrays by 128-bit content hash; thread-safe."""
+    """Bounded LRU of token id tuples by 128-bit content hash; thread-safe."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
         self.tokens = 0
         self.evictions = 0
-        self._entries: OrderedDict[int, array[int]] = OrderedDict()
+        self._entries: OrderedDict[int, Ids] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: int) -> array[int] | None:
+    def get(self, key: int) -> Ids | None:
         with self._lock:
             ids = self._entries.get(key)
             if ids is not None:
                 self._entries.move_to_end(key)
             return ids
 
-    def put(self, items: Iterable[tuple[int, array[int]]]) -> None:
+    def put(self, items: Iterable[tuple[int, Ids]]) -> None:
         with self._lock:
             for key, ids in items:
                 cost = len(ids) + _ENTRY_OVERHEAD
@@ -84,7 +90,7 @@ class TokenizerStats:
 
 
 # A request's pieces in order: ids already known, or the cache key of a miss to resolve.
-_Parts = list["array[int] | int"]
+_Parts = list["Ids | int"]
 
 
 class PromptTokenizer:
@@ -113,10 +119,14 @@ class PromptTokenizer:
         # HF pipeline; Tokenizer.encode uses it, and so do we when it is there.
         self._fast = getattr(tokenizer, "_fast_encode", None) is not None
         self.plan = plan_segments(self._hf)
-        self._added = {i: array("I", [i]) for i in self.plan.added.values()}
+        self._added = {i: (i,) for i in self.plan.added.values()}
+        # One int object per id (~36 bytes each), shared by every cached piece: a cached token
+        # then costs a pointer. Ids past the table (none, normally) keep their own objects.
+        vocab = self._hf.get_vocab(with_added_tokens=True)
+        self._ints: Ids = tuple(range(max(vocab.values(), default=-1) + 1))
         self._cache = _SegmentCache(cache_tokens)
         self._executor = executor
-        self._pending: dict[int, tuple[asyncio.Future[list[array[int]]], int]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[list[Ids]], int]] = {}
         self._hits = self._misses = self._shared = self._hit_tokens = self._miss_tokens = 0
 
     @property
@@ -208,34 +218,44 @@ class PromptTokenizer:
                 self._hit_tokens += len(ids)
         return parts, misses, whole
 
-    def _encode(self, texts: list[str], whole: bool) -> list[array[int]]:
+    def _interned(self, ids: list[int]) -> Ids:
+        """``ids`` as a tuple of the shared int objects (8 bytes per cached token, not 36)."""
+        if len(ids) < 2:  # itemgetter of one index returns the item, not a tuple
+            return tuple(ids)
+        try:
+            shared: Ids = operator.itemgetter(*ids)(self._ints)
+        except IndexError:  # an id past the vocabulary
+            return tuple(ids)
+        return shared
+
+    def _encode(self, texts: list[str], whole: bool) -> list[Ids]:
         """Encode ``texts`` in one batch (releases the GIL); runs in a worker thread."""
         if self._fast:
             encode = self.tokenizer.encode
-            return [array("I", encode(text, add_special_tokens=whole)) for text in texts]
+            return [self._interned(encode(text, add_special_tokens=whole)) for text in texts]
         batch = getattr(self._hf, "encode_batch_fast", None) or self._hf.encode_batch
         encodings = batch(texts, add_special_tokens=whole)
-        return [array("I", e.ids) for e in encodings]
+        return [self._interned(e.ids) for e in encodings]
 
     def _assemble(
-        self, parts: _Parts, resolved: Mapping[int, array[int]], special: bool, whole: bool
+        self, parts: _Parts, resolved: Mapping[int, Ids], special: bool, whole: bool
     ) -> list[int]:
         wrap = special and not whole
-        ids = array("I", self.plan.prefix or ()) if wrap else array("I")
-        for part in parts:  # array + array: a memcpy per piece
+        ids: list[int] = list(self.plan.prefix or ()) if wrap else []
+        for part in parts:  # copies pointers to existing ints: no object per token
             ids.extend(resolved[part] if isinstance(part, int) else part)
         if wrap:
-            ids.extend(array("I", self.plan.suffix))
-        return ids.tolist()
+            ids.extend(self.plan.suffix)
+        return ids
 
-    def _record(self, resolved: Mapping[int, array[int]]) -> None:
+    def _record(self, resolved: Mapping[int, Ids]) -> None:
         self._misses += len(resolved)
         self._miss_tokens += sum(len(ids) for ids in resolved.values())
         self._cache.put(resolved.items())
 
     def _ids_sync(self, text: str, *, special: bool) -> list[int]:
         parts, misses, whole = self._lookup(text, special)
-        resolved: dict[int, array[int]] = {}
+        resolved: dict[int, Ids] = {}
         if misses:
             resolved = dict(zip(misses, self._encode(list(misses.values()), whole), strict=True))
             self._record(resolved)
@@ -245,7 +265,7 @@ class PromptTokenizer:
         parts, misses, whole = self._lookup(text, special)
         if not misses:
             return self._assemble(parts, {}, special, whole)
-        waits: dict[int, tuple[asyncio.Future[list[array[int]]], int]] = {}
+        waits: dict[int, tuple[asyncio.Future[list[Ids]], int]] = {}
         fresh: dict[int, str] = {}
         for key, piece in misses.items():
             pending = self._pending.get(key)
@@ -261,13 +281,13 @@ class PromptTokenizer:
             for index, key in enumerate(keys):
                 waits[key] = self._pending[key] = (job, index)
             job.add_done_callback(partial(self._settle, keys))
-        resolved: dict[int, array[int]] = {}
+        resolved: dict[int, Ids] = {}
         for key, (future, index) in waits.items():
             # shield: a cancelled request must not cancel a batch other requests wait for
             resolved[key] = (await asyncio.shield(future))[index]
         return self._assemble(parts, resolved, special, whole)
 
-    def _settle(self, keys: list[int], job: asyncio.Future[list[array[int]]]) -> None:
+    def _settle(self, keys: list[int], job: asyncio.Future[list[Ids]]) -> None:
         """Done callback of one encode batch: cache its results, forget it as pending."""
         for key in keys:
             pending = self._pending.get(key)

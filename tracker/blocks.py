@@ -97,16 +97,17 @@ def block_keys(
     if limit is not None:
         count = min(count, limit)
     key = namespace.seed if parent is None else parent
-    view = memoryview(data)
-    keys = [0] * count
+    keys: list[int] = []
+    append = keys.append
     if not extra_keys or all(e is None for e in extra_keys):
-        for i in range(count):
-            key = _xxh3(view[i * stride : (i + 1) * stride], key)
-            keys[i] = key
+        # Slicing bytes (a small copy) is cheaper than slicing a memoryview (a new view).
+        for start in range(0, count * stride, stride):
+            key = _xxh3(data[start : start + stride], key)
+            append(key)
         return keys
     for i in range(count):
         extra = extra_keys[i] if i < len(extra_keys) else None
-        chunk = view[i * stride : (i + 1) * stride]
-        key = _xxh3(chunk if extra is None else bytes(chunk) + _pack(extra), key)
-        keys[i] = key
+        chunk = data[i * stride : (i + 1) * stride]
+        key = _xxh3(chunk if extra is None else chunk + _pack(extra), key)
+        append(key)
     return keys

@@ -42,14 +42,20 @@ def load_commands() -> dict[str, Command]:
     return dict(sorted(commands.items()))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    commands = load_commands()
+def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
+    """The ``kvrouter`` argument parser: one subparser per command, flags from its settings."""
     parser = argparse.ArgumentParser(
         prog="kvrouter", description="KV-cache-aware routing for vLLM / SGLang fleets."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in commands.values():
         command.settings.add_arguments(sub.add_parser(command.name, help=command.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    commands = load_commands()
+    parser = build_parser(commands)
     args = parser.parse_args(argv)
     command = commands[args.command]
     del args.command

@@ -128,10 +128,15 @@ end
 # values (Lua strings are interned, so comparing them is O(1)); such runs are counted without
 # re-parsing entries. Phase 2 starts where no replica still matching holds the next block and
 # extends those replicas (any replica, if nothing matched) with unexpired predictions or late
-# real placements, block by block.
+# real placements, block by block. Phase 1's loop runs once per cached block of every routed
+# prompt (6k times for 100k tokens), so it builds a bucket name from a cached head (one per first
+# key byte) and a one-byte hex tail, and calls local aliases of the library functions.
+_HEAD_DIVISOR: Final = 1 << (16 - BLOCK_BUCKET_BITS)  # first key byte -> bucket name's head
+assert 8 <= BLOCK_BUCKET_BITS <= 16, "bucket names split into a head and a one-byte tail"
 LOOKUP: Final = (
     _BUCKETS
     + _PREDICTIONS
+    + f"local D = {_HEAD_DIVISOR}\n"
     + """
 local bprefix, pprefix, chain = ARGV[1] .. ':b:', ARGV[1] .. ':p:', ARGV[2]
 local runs, order, advanced = {}, {}, {}
@@ -154,9 +159,17 @@ local function run_of(rid)
   end
   return run
 end
-while i <= #chain - 7 do
-  local f = string.sub(chain, i, i + 7)
-  local v = redis.call('HGET', block_bucket(bprefix, f), f)
+local sub, byte, floor, call = string.sub, string.byte, math.floor, redis.call
+local last, heads = #chain - 7, {}
+while i <= last do
+  local f = sub(chain, i, i + 7)
+  local b1, b2 = byte(f, 1, 2)
+  local head = heads[b1]
+  if not head then
+    head = bprefix .. hex[floor(b1 / D)]
+    heads[b1] = head
+  end
+  local v = call('HGET', head .. hex[(b1 % D) * (256 / D) + floor(b2 / D)], f)
   if not v then break end
   if v == prev then
     pending = pending + 1

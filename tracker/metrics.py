@@ -107,6 +107,11 @@ class TrackerMetrics:
             ["op"],
             registry=registry,
         )
+        self.index_restores = Counter(
+            "kvrouter_tracker_index_restores_total",
+            "Replicas whose state the index lost (Redis restarted empty), written back",
+            registry=registry,
+        )
         self.ledger_stats = Counter(
             "kvrouter_tracker_ledger_stats_total",
             "What the replica ledgers did with applied events, by statistic",

@@ -34,6 +34,7 @@ from tracker.errors import ConfigError, IndexUnavailableError
 from tracker.events import EventBatch
 from tracker.index import ApplyResult, Match, ReplicaRecord
 from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
+from tracker.settings import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class RedisIndex:
         self._ledgers: dict[tuple[str, Namespace], ReplicaLedger] = {}
         self._pending: dict[tuple[str, Namespace], _Pending] = {}
         self._locks: dict[tuple[str, Namespace], asyncio.Lock] = {}
+        self._seqs: dict[tuple[str, Namespace], str] = {}  # last checkpoint sent, per replica
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 2.0) -> RedisIndex:
@@ -101,7 +103,7 @@ class RedisIndex:
                 retry=Retry(NoBackoff(), 1, (RedisConnectionError,)),
             )
         except ValueError as exc:
-            raise ConfigError(f"bad Redis URL {url!r}: {exc}") from None
+            raise ConfigError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
         return cls(client)
 
     def keys_for(self, namespace: Namespace) -> schema.NamespaceKeys:
@@ -251,7 +253,32 @@ class RedisIndex:
     ) -> None:
         pending = self._pending.setdefault((replica, namespace), _Pending())
         pending.merge(changes, seq)
+        if seq:
+            self._seqs[(replica, namespace)] = seq
         await self._flush(replica, namespace)
+
+    async def restore_lost(self) -> int:
+        """Write back the whole state of every tracked replica whose id Redis lost.
+
+        Redis without persistence restarts empty. A replica that keeps publishing is written
+        back with its next batch (APPLY reports the lost id); an idle one would stay out of
+        the index, and, found nowhere, get no requests that would make it publish again. The
+        tracker calls this periodically: one pipelined HGET per replica. Returns how many
+        replicas were written back.
+        """
+        tracked = list(self._ledgers)
+        if not tracked:
+            return 0
+        async with self.client.pipeline(transaction=False) as pipe:
+            for replica, namespace in tracked:
+                pipe.hget(self.keys_for(namespace).rid, replica)
+            found = await self._call("verify", pipe.execute())
+        lost = [key for key, rid in zip(tracked, found, strict=True) if rid is None]
+        for key in lost:
+            if key in self._ledgers and key not in self._pending:  # else a flush is due anyway
+                # an empty write restores the id; APPLY says so and the state follows
+                await self._commit(*key, LedgerChanges(), self._seqs.get(key, ""))
+        return len(lost)
 
     async def flush(self) -> int:
         """Retry every pending write; returns how many replicas are still pending."""
@@ -290,6 +317,7 @@ class RedisIndex:
         )
         self._rids.pop((replica, base), None)
         self._ledgers.pop((replica, base), None)
+        self._seqs.pop((replica, base), None)
         return held
 
     async def last_seq(self, replica: str, namespace: Namespace) -> int | None:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import socket
+import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -96,6 +97,8 @@ class TrackerService:
         self._static = {target.id: target for target in static_targets(settings)}
         self._discovered: dict[str, ReplicaTarget] = {}
         self._instances: dict[str, str] = {}
+        self._ttls: dict[str, float] = {}
+        self._missing: dict[str, float] = {}  # discovered replica -> first seen missing
         self._rejected: dict[str, ReplicaTarget | None] = {}
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -210,6 +213,8 @@ class TrackerService:
                     await self._stopping.wait()
 
     async def _registry_pass(self) -> None:
+        # a Redis that restarted empty: idle replicas would stay out of the index otherwise
+        await self.subscriber.writer.restore_lost()
         for record in await self.index.reap():
             await self._expire(record)
         if self.settings.discover:
@@ -218,20 +223,24 @@ class TrackerService:
     async def _expire(self, record: ReplicaRecord) -> None:
         logger.warning("replica expired", extra={"replica": record.id})
         self._instances.pop(record.id, None)
+        self._ttls.pop(record.id, None)
+        self._missing.pop(record.id, None)
         if record.id in self._static:
             # Still configured: drop what it held; its stream resyncs when it speaks again.
             self.subscriber.fence(record.id, "expired", catch_up=False)
             return
         target = self._discovered.pop(record.id, None)
         namespace = target.namespace if target is not None else record.namespace
+        self.metrics.resets.labels("expired").inc()  # counted before it shows, never after
         held = await self.subscriber.forget(record.id, namespace)
-        self.metrics.resets.labels("expired").inc()
         logger.info("expired replica forgotten", extra={"replica": record.id, "blocks": held})
 
     async def _reconcile(self, records: list[ReplicaRecord]) -> None:
         seen: set[str] = set()
         for record in records:
             seen.add(record.id)
+            self._ttls[record.id] = record.ttl_s
+            self._missing.pop(record.id, None)
             previous = self._instances.get(record.id)
             self._instances[record.id] = record.instance
             restarted = bool(previous is not None and previous != record.instance)
@@ -242,7 +251,16 @@ class TrackerService:
             await self._adopt(record, restarted)
         for replica in [r for r in self._rejected if r not in seen]:
             del self._rejected[replica]
+        now = time.monotonic()
         for replica in [r for r in self._discovered if r not in seen]:
+            # Deregistered, or gone with a Redis that restarted empty and is refilled by the
+            # next heartbeats: forgetting at once would throw away what a replay may not
+            # bring back (vLLM buffers 10k batches), so only a record missing for its ttl is.
+            since = self._missing.setdefault(replica, now)
+            if now - since < self._ttls.get(replica, 0.0):
+                continue
+            del self._missing[replica]
+            self._ttls.pop(replica, None)
             target = self._discovered.pop(replica)
             self._instances.pop(replica, None)
             held = await self.subscriber.forget(replica, target.namespace)

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Self, Union, get_args, get_origin, get_type_hints
 
 from tracker.errors import ConfigError
+
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/?#\s]*@")
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the password of every URL in it masked (``redis://:***@host``)."""
+    return _URL_PASSWORD.sub(r"\g<head>:***@", text)
 
 
 def setting(
@@ -141,9 +149,15 @@ class Settings:
         return cls.from_env(environ, **{k: v for k, v in vars(args).items() if v is not None})
 
     def describe(self) -> dict[str, Any]:
-        """Settings for logs, with secrets masked."""
+        """Settings for logs, with secrets and URL passwords masked."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            out[f.name] = "***" if f.metadata.get("secret") and value else value
+            if f.metadata.get("secret") and value:
+                value = "***"
+            elif isinstance(value, str):
+                value = redact_url(value)
+            elif isinstance(value, tuple):
+                value = tuple(redact_url(v) if isinstance(v, str) else v for v in value)
+            out[f.name] = value
         return out

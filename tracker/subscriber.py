@@ -36,6 +36,13 @@ logger = logging.getLogger(__name__)
 RCVHWM: Final = 100_000
 """Matches vLLM's publisher HWM so a burst is queued rather than dropped."""
 
+MAX_MESSAGE_BYTES: Final = 64 << 20
+"""Largest frame the bound SUB socket accepts; ZeroMQ drops the connection of a peer sending
+more (an honest one reconnects). One engine step's events are far smaller; the limit bounds
+what anyone who can reach ``--bind`` makes the tracker allocate. Sockets that connect out are
+not limited: libzmq never reconnects after such a protocol error, so one oversized batch
+would silently cut the tracker off from that engine."""
+
 
 def parse_topic(topic: bytes) -> tuple[str, str | None]:
     """The replica id (and model, llm-d style) a bind-mode topic names."""
@@ -98,6 +105,7 @@ class Subscriber:
         )
         if self._settings.bind:
             socket = self._sub_socket()
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             try:
                 socket.bind(self._settings.bind)
             except zmq.ZMQError:

@@ -4,7 +4,8 @@ A Redis index that cannot be reached keeps absorbing batches into its ledgers an
 resulting changes pending (see :mod:`tracker.redis_index`). The writer counts such failures,
 logs the outage once, and retries ``index.flush()`` with exponential backoff. Writes of
 different replicas run concurrently; the flush runs alone, because flushing one replica's
-pending state from two tasks at once would send it twice or drop it.
+pending state from two tasks at once would send it twice or drop it. A Redis that restarted
+empty gets every replica's state back from the ledgers (:meth:`IndexWriter.restore_lost`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ class Forgetting(Protocol):
     """An index that can also release a departed replica's resources (the Redis index)."""
 
     async def forget(self, replica: str, namespace: Namespace) -> int: ...
+
+
+@runtime_checkable
+class Restoring(Protocol):
+    """An index whose server may lose its data, written back from the ledgers (Redis)."""
+
+    async def restore_lost(self) -> int: ...
 
 
 class WriteGate:
@@ -117,6 +125,26 @@ class IndexWriter:
         except IndexUnavailableError as exc:
             self._failed(replica, "forget", exc)
             return None
+
+    async def restore_lost(self) -> int:
+        """Write back every replica the index lost (see ``RedisIndex.restore_lost``).
+
+        Runs alone, like a flush; an unreachable index restores nothing now (the next call
+        will). Returns how many replicas were written back.
+        """
+        if not isinstance(self.index, Restoring):
+            return 0
+        async with self._gate.exclusive():
+            try:
+                restored = await self.index.restore_lost()
+            except IndexUnavailableError:
+                return 0
+        if restored:
+            self._metrics.index_restores.inc(restored)
+            logger.warning(
+                "the index lost replicas' state; written back", extra={"replicas": restored}
+            )
+        return restored
 
     def _failed(self, replica: str, op: str, exc: IndexUnavailableError) -> None:
         self._metrics.index_failures.labels(op).inc()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -143,7 +144,7 @@ async def test_upstream_4xx_is_passed_through_as_is() -> None:
         assert service.router.replicas.get("replica-0").failures == 0  # type: ignore[union-attr]
 
 
-async def test_a_stream_broken_after_its_first_byte_just_ends() -> None:
+async def test_a_stream_broken_after_its_first_byte_ends_with_an_error_event() -> None:
     async def half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         if head.startswith(b"POST"):
@@ -172,7 +173,11 @@ async def test_a_stream_broken_after_its_first_byte_just_ends() -> None:
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 assert response.status_code == 200
                 lines = [line async for line in response.aiter_lines() if line]
-            assert len(lines) == 1 and "[DONE]" not in lines[0]
+            # the relayed chunk, then an OpenAI-shaped error (never a silent truncation)
+            assert len(lines) == 3 and '"content":"a"' in lines[0], lines
+            error = json.loads(lines[1].removeprefix("data: "))["error"]
+            assert error["code"] == "upstream_error" and "half-0" in error["message"]
+            assert lines[2] == "data: [DONE]"
             page = (await client.get("/metrics")).text
             assert metric(page, "kvrouter_router_stream_errors_total", replica="half-0") == 1
             assert metric(page, "kvrouter_router_inflight_requests", replica="half-0") == 0

@@ -186,8 +186,12 @@ async def test_redis_restarted_empty_gets_the_whole_state_back(own_server: Redis
         # r1 had a pending write: Redis lost its id, so its whole state was written again.
         assert await matches(index, SEQ) == {"r1": (4, 4)}
         assert await index.last_seq("r1", NS) == 2
-        # r2 was idle: its state comes back with its next batch.
+        # r2 was idle: nothing wrote it back yet; the tracker's periodic check does.
         assert await matches(index, OTHER) == {}
+        assert await index.restore_lost() == 1
+        assert await matches(index, OTHER) == {"r2": (4, 4)}
+        assert await index.last_seq("r2", NS) == 1
+        assert await index.restore_lost() == 0  # nothing lost any more
         await index.apply("r2", NS, batch(), 2)
         assert await matches(index, OTHER) == {"r2": (4, 4)}
         restarted = RedisIndex.from_url(own_server.url)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -161,7 +162,28 @@ async def test_registry_discovery_fencing_and_reaping(
     assert await redis_index.replicas() == []
 
 
-async def test_deregistered_replica_is_forgotten(
+async def test_deregistered_replica_is_forgotten_once_missing_for_its_ttl(
+    make_service: Any, publisher: EventPublisher
+) -> None:
+    index = MemoryIndex()
+    service = await make_service(index, reap_interval_s=0.05)
+    await index.register(record(publisher, ttl_s=1.5))
+    await wait_until(lambda: service.subscriber.get("r9") is not None)
+    await publisher.wait_subscribed()
+    await publisher.publish(block_a())
+    await wait_until(lambda: held(index, A_TOKENS))
+
+    await index.deregister("r9")
+    gone = time.monotonic()
+    await asyncio.sleep(0.5)  # missing, not gone yet: a Redis restarted empty looks the same
+    assert service.subscriber.get("r9") is not None
+    assert await held(index, A_TOKENS) == {"r9": 2}
+    await wait_until(lambda: service.subscriber.get("r9") is None)
+    assert time.monotonic() - gone >= 1.5
+    await wait_until(lambda: _empty(held(index, A_TOKENS)), what="blocks forgotten")
+
+
+async def test_a_registry_emptied_and_refilled_keeps_the_replica_and_its_blocks(
     make_service: Any, publisher: EventPublisher
 ) -> None:
     index = MemoryIndex()
@@ -171,10 +193,15 @@ async def test_deregistered_replica_is_forgotten(
     await publisher.wait_subscribed()
     await publisher.publish(block_a())
     await wait_until(lambda: held(index, A_TOKENS))
+    stream = service.subscriber.get("r9")
 
-    await index.deregister("r9")
-    await wait_until(lambda: service.subscriber.get("r9") is None)
-    await wait_until(lambda: _empty(held(index, A_TOKENS)), what="blocks forgotten")
+    await index.deregister("r9")  # what a Redis restart without persistence does
+    await asyncio.sleep(0.3)
+    await index.register(record(publisher))  # the replica's next heartbeat
+    await asyncio.sleep(0.3)
+    assert service.subscriber.get("r9") is stream
+    assert await held(index, A_TOKENS) == {"r9": 2}
+    assert sample(service.registry, "kvrouter_tracker_resets_total", cause="expired") == 0
 
 
 async def test_unusable_registry_records_are_skipped(

@@ -1,0 +1,225 @@
+"""``kvrouter bench``: replay one workload through every routing policy on one fleet; report.
+
+See docs/benchmarks.md for the method (capacity, time scale, cache resets) and the results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from bench.capacity import Capacity, EngineShape, WorkloadShape, capacity, measure_shape
+from bench.harness import POLICIES, FleetConfig, Harness
+from bench.workloads import (
+    WORKLOADS,
+    Workload,
+    mooncake,
+    multi_turn,
+    no_sharing,
+    shared_prefix,
+    with_poisson_arrivals,
+)
+from publishers.latency import load_profile
+from tracker.cli import Command
+from tracker.config import LogSettings
+from tracker.errors import ConfigError
+from tracker.settings import setting
+from tracker.tokens import Tokenizer
+
+DEFAULT_TRACE: Final = Path(__file__).parent / "traces" / "synthetic_mooncake_sample.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSettings(LogSettings):
+    """``kvrouter bench``: routing policies compared on one workload and one fleet."""
+
+    PART = "BENCH"
+
+    workload: str = setting("gsp", "workload", choices=WORKLOADS)
+    policies: str = setting(
+        ",".join(POLICIES), "comma-separated policies, run in this order: " + ", ".join(POLICIES)
+    )
+    quick: bool = setting(
+        False,
+        "smoke run (about a minute): 4 small engines (512 blocks), 8 groups x 8 prompts of "
+        "1024 + 64 tokens, 128 out, time scale 2",
+    )
+    json: str | None = setting(None, "write the results as JSON to this file")
+    plot: str | None = setting(None, "write the TTFT CDF to this PNG (and FILE-bars.png)")
+    replicas: int | None = setting(None, "simulated engines (default 8; quick 4)")
+    routers: int = setting(1, "routers (more than 1: behind haproxy, sharing load via Redis)")
+    embedded: bool = setting(False, "one router with its in-process tracker, no Redis")
+    time_scale: float | None = setting(
+        None, "engine time scale: real seconds per simulated second (default 20; quick 2)"
+    )
+    load: float = setting(0.75, "arrival rate as a share of the fleet's estimated capacity")
+    rate: float | None = setting(None, "arrival rate in requests per simulated second (wins)")
+    seed: int = setting(1, "workload and arrival seed")
+    num_blocks: int | None = setting(
+        None, "KV-cache blocks per engine, 16 tokens each (default 4096; quick 512)"
+    )
+    groups: int | None = setting(None, "gsp/llmd: prefix groups (default 64 / 150; quick 8)")
+    prompts_per_group: int | None = setting(
+        None, "gsp/llmd: prompts (users) per group (default 16 / 5; quick 8)"
+    )
+    system_tokens: int | None = setting(
+        None, "system prompt (shared prefix) tokens (default gsp 2048, llmd 6000, quick 1024)"
+    )
+    question_tokens: int | None = setting(
+        None, "question tokens (default gsp 128, llmd 1200, multiturn 64, quick 64)"
+    )
+    output_tokens: int | None = setting(
+        None, "output tokens (default gsp 256, llmd 1000, multiturn 100, quick 128)"
+    )
+    requests: int = setting(512, "nosharing: requests")
+    users: int = setting(64, "multiturn: conversations")
+    rounds: int = setting(6, "multiturn: turns per conversation")
+    context_tokens: int = setting(2000, "multiturn: private context in each first message")
+    think_s: float = setting(2.0, "multiturn: mean think time between turns (simulated s)")
+    trace: str | None = setting(None, "trace: Mooncake JSONL file (default: the bundled sample)")
+    speedup: float = setting(1.0, "trace: replay this many times faster than its timestamps")
+    max_requests: int | None = setting(None, "trace: replay at most this many requests")
+    router_args: tuple[str, ...] = setting(
+        (), "extra flag for every router, repeatable (e.g. --router-args=--tie-epsilon-ms=2)"
+    )
+
+    def __post_init__(self) -> None:
+        names = self.policy_list
+        unknown = [p for p in names if p not in POLICIES]
+        if unknown or not names:
+            raise ConfigError(f"policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
+        if not 0 < self.load <= 10:
+            raise ConfigError("load must be in (0, 10]")
+        if self.routers < 1 or (self.embedded and self.routers != 1):
+            raise ConfigError("routers must be >= 1 (exactly 1 when embedded)")
+
+    @property
+    def policy_list(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.policies.split(",") if p.strip())
+
+
+def _pick(value: int | None, default: int, quick: int, is_quick: bool) -> int:
+    if value is not None:
+        return value
+    return quick if is_quick else default
+
+
+def build_workload(settings: BenchSettings) -> Workload:
+    """The workload the settings describe (arrivals not assigned yet)."""
+    s, q = settings, settings.quick
+    if s.workload in ("gsp", "llmd"):
+        llmd = s.workload == "llmd"
+        return shared_prefix(
+            groups=_pick(s.groups, 150 if llmd else 64, 8, q),
+            prompts_per_group=_pick(s.prompts_per_group, 5 if llmd else 16, 8, q),
+            system_tokens=_pick(s.system_tokens, 6000 if llmd else 2048, 1024, q),
+            question_tokens=_pick(s.question_tokens, 1200 if llmd else 128, 64, q),
+            output_tokens=_pick(s.output_tokens, 1000 if llmd else 256, 128, q),
+            seed=s.seed,
+            name=s.workload,
+        )
+    if s.workload == "nosharing":
+        return no_sharing(
+            requests=64 if q and s.requests == 512 else s.requests,
+            system_tokens=_pick(s.system_tokens, 2048, 1024, q),
+            question_tokens=_pick(s.question_tokens, 128, 64, q),
+            output_tokens=_pick(s.output_tokens, 256, 128, q),
+            seed=s.seed,
+        )
+    if s.workload == "multiturn":
+        return multi_turn(
+            users=s.users,
+            rounds=s.rounds,
+            system_tokens=_pick(s.system_tokens, 1000, 512, q),
+            context_tokens=s.context_tokens,
+            question_tokens=_pick(s.question_tokens, 64, 32, q),
+            output_tokens=_pick(s.output_tokens, 100, 32, q),
+            think_s=s.think_s,
+            seed=s.seed,
+        )
+    path = Path(s.trace) if s.trace else DEFAULT_TRACE
+    if not path.exists():
+        raise ConfigError(f"trace file {path} does not exist")
+    return mooncake(path, speedup=s.speedup, max_requests=s.max_requests, seed=s.seed)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided before the fleet starts."""
+
+    workload: Workload
+    fleet: FleetConfig
+    policies: tuple[str, ...]
+    shape: WorkloadShape
+    capacity: Capacity
+    rate_rps: float
+    load: float
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "workload": {"name": self.workload.name, **self.workload.params},
+            "requests": self.workload.requests,
+            "fleet": {k: v for k, v in dataclasses.asdict(self.fleet).items() if k != "workdir"},
+            "time_scale": self.fleet.time_scale,
+            "shape": dataclasses.asdict(self.shape),
+            "ideal_hit_rate": self.shape.ideal_hit_rate,
+            "capacity": dataclasses.asdict(self.capacity),
+            "rate_rps": self.rate_rps,
+            "load": self.load,
+            "policies_order": list(self.policies),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+
+
+def plan(settings: BenchSettings) -> Plan:
+    """Workload, fleet, capacity and arrival rate for ``settings``."""
+    quick = settings.quick
+    replicas = settings.replicas or (4 if quick else 8)
+    fleet = FleetConfig(
+        replicas=replicas,
+        routers=settings.routers,
+        redis=not settings.embedded,
+        time_scale=settings.time_scale or (2.0 if quick else 20.0),
+        num_blocks=settings.num_blocks or (512 if quick else 4096),
+        router_args=settings.router_args,
+    )
+    workload = build_workload(settings)
+    shape = measure_shape(workload, fleet.block_size, Tokenizer.builtin())
+    engine = EngineShape(load_profile(fleet.profile), fleet.num_blocks, fleet.block_size)
+    cap = capacity(shape, engine, replicas)
+    if workload.timed:
+        duration = max((c.start_s for c in workload.conversations), default=0.0)
+        rate = workload.requests / duration if duration > 0 else 0.0
+    else:
+        rate = settings.rate or settings.load * cap.ideal_rps
+        workload = with_poisson_arrivals(workload, rate, settings.seed)
+    load = rate / cap.ideal_rps if cap.ideal_rps else 0.0
+    return Plan(workload, fleet, settings.policy_list, shape, cap, rate, load)
+
+
+def run(settings: BenchSettings) -> int:
+    from bench.console import Console  # rich only when the command runs
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    chosen = plan(settings)
+    console = Console()
+    console.plan(chosen)
+    runs = Harness(chosen.fleet, chosen.workload, chosen.policies, console).run()
+    return console.finish(
+        chosen,
+        runs,
+        json_path=Path(settings.json) if settings.json else None,
+        plot_path=Path(settings.plot) if settings.plot else None,
+    )
+
+
+BENCH = Command(
+    "bench",
+    "compare routing policies on simulated engines: one workload, same arrivals, side by side",
+    BenchSettings,
+    run,
+)

@@ -1,0 +1,176 @@
+"""The benchmark's client: replays a workload's arrivals against an OpenAI endpoint and times it.
+
+Every request streams (``stream_options.include_usage``) and records, in real seconds: when
+it was sent, its first content chunk (TTFT) and its end (E2E); and from the answer: the
+prompt, cached (``usage.prompt_tokens_details.cached_tokens``, the engine's real prefix
+reuse) and output token counts, the replica that served it (``x-kvrouter-replica``) and the
+router's decision time (``x-kvrouter-decision-ms``). Conversations start at their arrival
+time (simulated seconds times the time scale); a later turn is sent ``think_s`` after the
+previous answer ended and carries the whole history, the real answer included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import httpx
+import msgspec
+
+from bench.workloads import Conversation, Workload, messages
+
+REPLICA_HEADER: Final = "x-kvrouter-replica"
+DECISION_HEADER: Final = "x-kvrouter-decision-ms"
+MODEL: Final = "default"
+_decode = msgspec.json.Decoder().decode
+
+
+@dataclass(slots=True)
+class Result:
+    """One request's outcome; times in real seconds (``sent_s`` from the run's start)."""
+
+    conversation: int
+    turn: int
+    group: int
+    sent_s: float
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    replica: str = ""
+    decision_ms: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft_s is not None
+
+
+def _events(data: bytes) -> list[Any]:
+    out = []
+    for raw in data.split(b"\n\n"):
+        event = raw.strip()
+        if event.startswith(b"data: ") and event != b"data: [DONE]":
+            try:
+                out.append(_decode(event[6:]))
+            except msgspec.DecodeError:
+                continue
+    return out
+
+
+def _answer_text(events: list[Any], raw: bool) -> str:
+    parts = []
+    for event in events:
+        for choice in event.get("choices") or ():
+            if raw:
+                parts.append(choice.get("text") or "")
+            else:
+                parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+class LoadGenerator:
+    """Sends one workload through ``url``; :meth:`run` returns every request's :class:`Result`.
+
+    :param time_scale: real seconds per simulated second (the engines' ``--time-scale``).
+    :param on_result: called after each request (progress bars).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        time_scale: float,
+        on_result: Callable[[Result], None] | None = None,
+        timeout_s: float = 3600.0,
+    ) -> None:
+        self.url = url
+        self.time_scale = time_scale
+        self.on_result = on_result
+        self.timeout_s = timeout_s
+        self._started = 0.0
+
+    async def run(self, workload: Workload) -> list[Result]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        timeout = httpx.Timeout(self.timeout_s, connect=30.0)
+        async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout) as client:
+            self._started = time.monotonic()
+            batches = await asyncio.gather(
+                *(self._conversation(client, c) for c in workload.conversations)
+            )
+        return [result for batch in batches for result in batch]
+
+    async def _sleep_until(self, at_s: float) -> None:
+        delay = self._started + at_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def _conversation(
+        self, client: httpx.AsyncClient, conversation: Conversation
+    ) -> list[Result]:
+        await self._sleep_until(conversation.start_s * self.time_scale)
+        answers: list[str] = []
+        results = []
+        for turn in range(len(conversation.turns)):
+            if turn:
+                await asyncio.sleep(conversation.think_s[turn - 1] * self.time_scale)
+            result, answer = await self._send(client, conversation, turn, answers)
+            answers.append(answer)
+            results.append(result)
+            if self.on_result is not None:
+                self.on_result(result)
+            if result.error is not None:
+                break  # the history is broken: the rest of the conversation cannot follow
+        return results
+
+    def _body(self, conversation: Conversation, turn: int, answers: list[str]) -> dict[str, Any]:
+        common = {
+            "model": MODEL,
+            "max_tokens": conversation.turns[turn].max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if conversation.raw:
+            return {**common, "prompt": conversation.turns[turn].user}
+        return {**common, "messages": messages(conversation, turn, answers)}
+
+    async def _send(
+        self, client: httpx.AsyncClient, conversation: Conversation, turn: int, answers: list[str]
+    ) -> tuple[Result, str]:
+        path = "/v1/completions" if conversation.raw else "/v1/chat/completions"
+        body = self._body(conversation, turn, answers)
+        want_text = turn + 1 < len(conversation.turns)
+        sent = time.monotonic()
+        result = Result(conversation.id, turn, conversation.group, sent - self._started)
+        chunks: list[bytes] = []
+        try:
+            async with client.stream("POST", path, json=body) as response:
+                result.replica = response.headers.get(REPLICA_HEADER, "")
+                decision = response.headers.get(DECISION_HEADER)
+                result.decision_ms = float(decision) if decision else None
+                if response.status_code != 200:
+                    await response.aread()
+                    result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                    return result, ""
+                async for chunk in response.aiter_raw():
+                    if result.ttft_s is None and b'"choices":[{' in chunk:
+                        result.ttft_s = time.monotonic() - sent
+                    chunks.append(chunk)
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result, ""
+        result.e2e_s = time.monotonic() - sent
+        events = _events(b"".join(chunks))
+        usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
+        if not isinstance(usage, dict):
+            result.error = "no usage chunk in the stream"
+            return result, ""
+        result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        result.output_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        result.cached_tokens = int(details.get("cached_tokens") or 0)
+        return result, _answer_text(events, conversation.raw) if want_text else ""

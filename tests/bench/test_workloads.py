@@ -1,0 +1,161 @@
+"""Benchmark workloads: determinism by seed, exact token lengths, Mooncake prefix semantics."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from bench.capacity import EngineShape, capacity, measure_shape
+from bench.workloads import (
+    TRACE_BLOCK_TOKENS,
+    Workload,
+    block_text,
+    messages,
+    mooncake,
+    multi_turn,
+    no_sharing,
+    shared_prefix,
+    trace_prompt,
+    with_poisson_arrivals,
+)
+from publishers.latency import load_profile
+from tracker.tokens import Tokenizer
+
+TOKENIZER = Tokenizer.builtin()
+CHATML_SYSTEM_USER = 29  # template tokens around a system + user conversation
+
+
+def gsp(seed: int = 1, **overrides: int) -> Workload:
+    shape = dict(
+        groups=4, prompts_per_group=3, system_tokens=100, question_tokens=20, output_tokens=8
+    )
+    shape.update(overrides)
+    return shared_prefix(seed=seed, **shape)
+
+
+def test_same_seed_same_workload_other_seed_other_text() -> None:
+    assert gsp(1) == gsp(1)
+    assert gsp(1) != gsp(2)
+    arrivals = [with_poisson_arrivals(gsp(1), 5.0, seed=3) for _ in range(2)]
+    assert arrivals[0] == arrivals[1]
+
+
+def test_shared_prefix_groups_and_exact_token_lengths() -> None:
+    workload = shared_prefix(
+        groups=4,
+        prompts_per_group=3,
+        system_tokens=100,
+        question_tokens=20,
+        output_tokens=8,
+        seed=1,
+    )
+    assert workload.requests == 12
+    by_group: dict[int, set[str | None]] = {}
+    for conversation in workload.conversations:
+        by_group.setdefault(conversation.group, set()).add(conversation.system)
+        ids = TOKENIZER.chat_token_ids(messages(conversation, 0, []))
+        assert len(ids) == 100 + 20 + CHATML_SYSTEM_USER
+        assert conversation.turns[0].max_tokens == 8
+    assert len(by_group) == 4 and all(len(s) == 1 for s in by_group.values())
+    assert [c.group for c in workload.conversations] != sorted(
+        c.group for c in workload.conversations
+    )
+
+
+def test_no_sharing_prompts_share_no_block() -> None:
+    workload = no_sharing(
+        requests=20, system_tokens=64, question_tokens=16, output_tokens=4, seed=1
+    )
+    firsts = {
+        tuple(TOKENIZER.chat_token_ids(messages(c, 0, []))[:16]) for c in workload.conversations
+    }
+    assert len(firsts) == 20
+    shape = measure_shape(workload, 16, TOKENIZER)
+    assert shape.shared_blocks == 0 and shape.ideal_hit_rate == 0.0
+
+
+def test_multi_turn_turns_carry_the_history() -> None:
+    workload = multi_turn(
+        users=2, rounds=3, system_tokens=50, context_tokens=40, question_tokens=10,
+        output_tokens=5, think_s=1.0, seed=1,
+    )  # fmt: skip
+    conversation = workload.conversations[0]
+    third = messages(conversation, 2, ["answer one", "answer two"])
+    assert [m["role"] for m in third] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+    ]
+    assert third[2]["content"] == "answer one"
+    assert len(third[1]["content"]) == 40 + 1 + 10  # context, newline, question
+    assert len(conversation.think_s) == 2
+    assert workload.conversations[0].system == workload.conversations[1].system
+
+
+def test_trace_prompts_have_the_exact_length_and_share_leading_blocks() -> None:
+    a = trace_prompt(1200, [7, 8, 9])
+    b = trace_prompt(1100, [7, 8, 10])
+    c = trace_prompt(600, [1, 8])
+    assert (len(a), len(b), len(c)) == (1200, 1100, 600)
+    assert a[:1024] == b[:1024] and a[1024:1100] != b[1024:1100]
+    assert a[:512] != c[:512] and a[512:600] == c[512:600] == block_text(8)[:88]
+    assert len(block_text(3)) == TRACE_BLOCK_TOKENS
+    assert len(trace_prompt(1500, [1])) == 1500  # fewer ids than blocks: filled, unshared
+
+
+def test_mooncake_replay_keeps_timestamps_with_speedup_and_cap(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    records = [
+        {"timestamp": 1000, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+        {"timestamp": 3000, "input_length": 700, "output_length": 6, "hash_ids": [1, 3]},
+        {"timestamp": 5000, "input_length": 600, "output_length": 7, "hash_ids": [4, 5]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    workload = mooncake(path, speedup=2.0, max_requests=2, seed=0)
+    assert workload.timed and workload.requests == 2
+    starts = [c.start_s for c in workload.conversations]
+    assert starts == [0.0, 1.0]
+    first, second = (c.turns[0] for c in workload.conversations)
+    assert (len(first.user), len(second.user)) == (1024, 700)
+    assert first.user[:512] == second.user[:512] and first.user[512:] != second.user[512:700]
+    assert all(c.raw for c in workload.conversations)
+    path.write_text('{"timestamp": 1}\n')
+    with pytest.raises(ValueError, match="input_length"):
+        mooncake(path, speedup=1.0, max_requests=None, seed=0)
+
+
+def test_the_bundled_synthetic_trace_replays() -> None:
+    path = Path(__file__).parents[2] / "bench" / "traces" / "synthetic_mooncake_sample.jsonl"
+    workload = mooncake(path, speedup=1.0, max_requests=50, seed=0)
+    assert workload.requests == 50
+    assert measure_shape(workload, 16, TOKENIZER).ideal_hit_rate > 0.3
+
+
+def test_poisson_arrivals_average_the_rate() -> None:
+    workload = with_poisson_arrivals(gsp(1, groups=50, prompts_per_group=20), 10.0, seed=1)
+    starts = [c.start_s for c in workload.conversations]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert starts == sorted(starts) and starts[0] == 0.0
+    assert statistics.fmean(gaps) == pytest.approx(0.1, rel=0.1)
+
+
+def test_capacity_sharing_raises_what_the_fleet_can_serve() -> None:
+    engine = EngineShape(load_profile("llama-8b"), 4096, 16)
+    workload = shared_prefix(
+        groups=64, prompts_per_group=16, system_tokens=2048, question_tokens=128,
+        output_tokens=256, seed=1,
+    )  # fmt: skip
+    shape = measure_shape(workload, 16, TOKENIZER)
+    assert shape.prompt_tokens == 2048 + 128 + CHATML_SYSTEM_USER
+    # each group's 2,064-token prefix (129 blocks with its template tokens) is new once
+    assert shape.unique_tokens == pytest.approx(2205 - 2064 + 2064 * 64 / 1024)
+    assert shape.shared_blocks == 64 * 129
+    fleet = capacity(shape, engine, 8)
+    assert fleet.ideal_rps > 3 * fleet.blind_rps > 0

@@ -1,0 +1,202 @@
+"""Fault drills on the control plane: the tracker, redis-server, a router, and the event path.
+
+Engines keep serving through all of these, so no request may fail (a killed router's
+connections excepted: haproxy cannot move a connection already open to it). What may
+suffer is routing quality — the engines' hit rate — which must come back, and the index,
+which must equal the engines' real caches again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.faults.conftest import DrillFactory
+from tests.faults.drill import (
+    ENGINES,
+    Check,
+    Seen,
+    busiest,
+    metric_sum,
+    run_drill,
+    settle,
+)
+from tests.faults.results import make_row, record
+from tests.faults.workload import Result
+
+pytestmark = [pytest.mark.faults, pytest.mark.redis, pytest.mark.timeout(180)]
+OUTAGE_S = 3.0
+LEASE_TTL_S = 5.0  # kvrouter router's default --lease-ttl-s
+ALL_EXACT: dict[int, Check] = dict.fromkeys(range(ENGINES), "exact")
+
+
+def assert_all_completed(results: list[Result]) -> None:
+    bad = [r for r in results if r.outcome != "completed"]
+    assert not bad, [(r.n, r.outcome, r.detail) for r in bad[:10]]
+
+
+async def test_tracker_sigkilled_and_restarted_catches_up_by_replay(
+    drill_factory: DrillFactory,
+) -> None:
+    drill = await drill_factory()
+    workload = drill.workload()
+
+    async def fault() -> float:
+        await drill.kill("tracker")
+        await asyncio.sleep(OUTAGE_S)  # the engines keep publishing to nobody
+        await drill.restart("tracker")
+        return time.monotonic()
+
+    marks = await run_drill(workload, fault)
+    assert_all_completed(workload.results)
+    tracker = await drill.tracker_metrics()
+    replayed = metric_sum(tracker, "kvrouter_tracker_messages_total", source="replay")
+    replays = metric_sum(tracker, "kvrouter_tracker_replays_total", outcome="ok")
+    assert replays >= 1 and replayed >= 1, "the restarted tracker did not catch up by replay"
+    assert not metric_sum(tracker, "kvrouter_tracker_resets_total"), "it started blind"
+    _, consistency = await settle(drill, range(ENGINES), ALL_EXACT)
+    row = make_row(
+        "3",
+        f"tracker SIGKILLed, restarted after {OUTAGE_S:g} s",
+        workload,
+        marks,
+        consistency,
+        notes=(
+            "routing goes on from the index as it was (and the routers' predictions); the "
+            "restarted tracker resumes each replica from its checkpoint in Redis and replays "
+            f"what it missed ({replayed:.0f} batches in {replays:.0f} replays), without "
+            "clearing anything."
+        ),
+        replayed_batches=replayed,
+    )
+    record(row)
+    assert consistency.ok, consistency
+    assert row.recovery_s is not None, row
+
+
+async def test_redis_killed_and_restarted_empty_routers_fail_open_index_rebuilt(
+    drill_factory: DrillFactory,
+) -> None:
+    # kvrouter replica's default heartbeat: the registry stays empty for seconds
+    drill = await drill_factory(heartbeat_s=5.0, ttl_s=15.0)
+    workload = drill.workload()
+
+    async def fault() -> float:
+        await drill.kill("redis")
+        await asyncio.sleep(OUTAGE_S)
+        await drill.restart("redis")  # no persistence: it comes back empty
+        return time.monotonic()
+
+    marks = await run_drill(workload, fault)
+    assert_all_completed(workload.results)
+    fallbacks = 0.0
+    for url in drill.stack.router_urls:
+        fallbacks += metric_sum(await drill.metrics(url), "kvrouter_router_fallbacks_total")
+    assert fallbacks >= 1, "no request was routed without the index"
+    _, consistency = await settle(drill, range(ENGINES), ALL_EXACT)
+    row = make_row(
+        "4",
+        f"redis-server SIGKILLed, restarted empty after {OUTAGE_S:g} s",
+        workload,
+        marks,
+        consistency,
+        notes=(
+            f"the routers fail open ({fallbacks:.0f} requests placed on load alone, none "
+            "failed); engines re-register with their next heartbeat; the tracker, whose "
+            "ledgers hold every replica's state, writes it all back and keeps following."
+        ),
+        fallbacks=fallbacks,
+    )
+    record(row)
+    assert consistency.ok, consistency
+    assert row.recovery_s is not None, row
+
+
+async def test_router_sigkilled_haproxy_moves_on_and_no_phantom_load(
+    drill_factory: DrillFactory,
+) -> None:
+    drill = await drill_factory()
+    workload = drill.workload()
+    state: dict[str, float] = {}
+
+    async def fault() -> None:
+        await drill.kill("router-0")
+        state["killed_at"] = time.monotonic()  # the process is gone (reaped)
+        state["phantom"] = await asyncio.to_thread(drill.shared_load, "router-0")
+        # its leases were never released: they must expire from the shared board
+        state["phantom_s"] = await drill.until(
+            "router-0's load expired",
+            lambda: asyncio.to_thread(lambda: drill.shared_load("router-0") == 0),
+            timeout_s=LEASE_TTL_S + 3,
+        )
+
+    marks = await run_drill(workload, fault, after_s=2.0)
+    killed_at = state["killed_at"]
+    bad = [r for r in workload.results if r.outcome != "completed"]
+    # only connections open to router-0 when it died: haproxy sends new ones to router-1
+    assert all(r.outcome == "conn_error" and r.started <= killed_at for r in bad), bad[:5]
+    _, consistency = await settle(drill, range(ENGINES), ALL_EXACT, routers=(1,))
+    row = make_row(
+        "5",
+        "one router SIGKILLed",
+        workload,
+        marks,
+        consistency,
+        notes=(
+            f"{len(bad)} request(s) had their connection open to the killed router (visible "
+            "transport errors, retryable); haproxy (retries + redispatch) sends every new "
+            f"connection to the other router; the {state['phantom']:.0f} request(s) it still "
+            f"held on the shared load board expired with its lease after "
+            f"{state['phantom_s']:.1f} s (--lease-ttl-s {LEASE_TTL_S:g}): no phantom load."
+        ),
+        phantom_requests=state["phantom"],
+        phantom_gone_s=round(state["phantom_s"], 2),
+    )
+    record(row)
+    assert consistency.ok, consistency
+    assert row.recovery_s is not None, row
+
+
+@pytest.mark.parametrize("kind", ["drop", "lose"])
+async def test_lost_events_gap_is_replayed_or_the_replica_resynced(
+    drill_factory: DrillFactory, kind: str
+) -> None:
+    drill = await drill_factory()
+    workload = drill.workload()
+    seen = Seen()
+
+    async def fault() -> None:
+        seen.victim, _ = busiest(workload, time.monotonic() - 3)
+        await drill.inject(drill.stack.replica_ids.index(seen.victim), **{f"{kind}_events": 3})
+
+    marks = await run_drill(workload, fault)
+    assert_all_completed(workload.results)
+    victim = seen.victim
+    tracker = await drill.tracker_metrics()
+    assert metric_sum(tracker, "kvrouter_tracker_gaps_total", replica=victim) >= 1
+    checks = dict(ALL_EXACT)
+    if kind == "drop":
+        assert metric_sum(tracker, "kvrouter_tracker_replays_total", outcome="ok") >= 1
+        assert not metric_sum(tracker, "kvrouter_tracker_resets_total")
+        fault_id, title = "6a", "3 event batches lost, still in the replay buffer"
+    else:
+        assert metric_sum(tracker, "kvrouter_tracker_resets_total", cause="unrecoverable_gap")
+        # what the engine cached before the gap and still holds cannot be learned again
+        checks[drill.stack.replica_ids.index(victim)] = "subset"
+        fault_id, title = "6b", "3 event batches lost beyond the replay buffer"
+    _, consistency = await settle(drill, range(ENGINES), checks)
+    notes = (
+        "the tracker sees the sequence gap on the next live batch and replays it from the "
+        "engine's buffer: the index is exact again."
+        if kind == "drop"
+        else "the replay cannot start where the gap does: the tracker clears the replica "
+        "(unrecoverable_gap) and continues from what the buffer holds; the index then lists "
+        "only blocks the engine really holds, but not the ones cached before the gap that "
+        "stay cached (vLLM re-announces a block only when it computes it again)."
+    )
+    row = make_row(fault_id, title, workload, marks, consistency, notes=notes, victim=victim)
+    record(row)
+    assert consistency.ok, consistency
+    assert row.recovery_s is not None, row

@@ -1,0 +1,130 @@
+"""Safe defaults: every command listens on loopback unless told otherwise, secrets stay masked."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import zmq
+import zmq.asyncio
+
+from publishers.commands import ReplicaSettings
+from publishers.fleet import FleetService
+from tests.procs import free_port
+from tracker.cli import load_commands
+from tracker.events import decode_batch, decode_message
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def _defaults() -> list[tuple[str, str, Any]]:
+    out = []
+    for command in load_commands().values():
+        for field in dataclasses.fields(command.settings):  # type: ignore[arg-type]
+            if field.default is not dataclasses.MISSING:
+                default = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                default = field.default_factory()
+            else:
+                continue
+            out.append((command.name, field.name, default))
+    return out
+
+
+def _host(address: str) -> str | None:
+    return urlsplit(address).hostname
+
+
+def test_every_listening_or_connecting_default_is_loopback() -> None:
+    checked = []
+    for command, name, default in _defaults():
+        values = default if isinstance(default, tuple) else (default,)
+        for value in values:
+            if name == "bind" or name.endswith("_host") or name == "host":
+                assert value is None or value in LOOPBACK, (command, name, value)
+                checked.append((command, name))
+            elif isinstance(value, str) and "://" in value:
+                assert _host(value) in LOOPBACK, (command, name, value)
+                checked.append((command, name))
+    # the ones that matter are really there (a rename must not make this test vacuous)
+    for expected in [
+        ("router", "host"),
+        ("tracker", "http_host"),
+        ("tracker", "bind"),
+        ("replica", "host"),
+        ("replica", "events"),
+        ("replica", "replay"),
+        ("replica", "advertise_host"),
+        ("attach", "events"),
+        ("lookup", "redis"),
+    ]:
+        assert expected in checked, expected
+
+
+def test_wildcard_endpoints_still_bind_when_given() -> None:
+    settings = ReplicaSettings(events="tcp://*:5557", replay="tcp://*:5558")
+    assert settings.events == "tcp://*:5557"
+    assert settings.replay == "tcp://*:5558"
+
+
+@pytest.mark.timeout(30)
+async def test_a_default_replica_listens_on_loopback_only() -> None:
+    http, events, replay = free_port(), free_port(), free_port()
+    settings = ReplicaSettings(
+        port=http,
+        events=f"tcp://127.0.0.1:{events}",
+        replay=f"tcp://127.0.0.1:{replay}",
+        time_scale=0.01,
+        num_blocks=256,
+    )
+    fleet = FleetService(settings)
+    await fleet.start()
+    context = zmq.asyncio.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        replica = fleet.replicas[0]
+        assert replica.server.sock.getsockname()[0] == "127.0.0.1"
+        # the PUB socket is bound on loopback (not connected out): a consumer reaches it there
+        assert replica.record.events == f"tcp://127.0.0.1:{events}"
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(replica.record.events)
+        for port in (events, replay, http):  # nothing listens on another address
+            with socket.socket() as probe:
+                probe.settimeout(0.5)
+                assert probe.connect_ex((_non_loopback_address(), port)) != 0
+        received: list[bytes] | None = None
+        async with httpx.AsyncClient(base_url=replica.record.url or "", timeout=5) as client:
+            for attempt in range(50):  # the SUB joins asynchronously: ask until one arrives
+                prompt = f"request {attempt}: " + "a fairly long prompt " * 20
+                answer = await client.post("/v1/completions", json={"prompt": prompt})
+                assert answer.status_code == 200, answer.text
+                try:
+                    async with asyncio.timeout(0.2):
+                        received = await sub.recv_multipart()
+                    break
+                except TimeoutError:
+                    continue
+        assert received is not None, "no event reached a loopback consumer"
+        decode_batch(decode_message(received).payload)
+    finally:
+        sub.close(linger=0)
+        context.destroy(linger=0)
+        await fleet.stop()
+
+
+def _non_loopback_address() -> str:
+    """An address of this machine that is not loopback (skips the test when there is none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent
+            address = str(probe.getsockname()[0])
+        except OSError:
+            address = ""
+    if not address or address.startswith("127."):
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    return address

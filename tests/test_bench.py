@@ -1,0 +1,48 @@
+"""``kvrouter bench --quick`` and ``kvrouter demo --embedded`` end to end on local fleets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.commands import BenchSettings, run
+from bench.demo import DemoSettings
+from bench.demo import run as demo
+
+pytestmark = [
+    pytest.mark.timeout(150),
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+]
+
+
+def test_quick_bench_compares_round_robin_and_kvrouter(tmp_path: Path) -> None:
+    out = tmp_path / "quick.json"
+    plot = tmp_path / "quick.png"
+    settings = BenchSettings(
+        quick=True, policies="round-robin,kvrouter", json=str(out), plot=str(plot)
+    )
+    assert run(settings) == 0
+    doc = json.loads(out.read_text())
+    assert doc["workload"]["name"] == "gsp" and doc["requests"] == 64
+    assert doc["time_scale"] == 2.0 and 0 < doc["load"] <= 1
+    assert list(doc["policies"]) == ["round-robin", "kvrouter"]
+    for summary in doc["policies"].values():
+        assert summary["requests"] == 64 and summary["errors"] == 0
+        assert set(summary["ttft_ms"]) == {"p50", "p95", "p99", "mean"}
+        assert summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
+        assert summary["e2e_ms"]["p50"] > 0 and summary["output_tokens_per_s"] > 0
+        assert sum(summary["per_replica"].values()) == 64
+        assert summary["decision_ms"]["p50"] >= 0
+        assert 0 <= summary["hit_rate"] <= 1
+    rr, kv = doc["policies"]["round-robin"], doc["policies"]["kvrouter"]
+    assert kv["hit_rate"] > rr["hit_rate"]
+    assert kv["vs_round_robin"]["ttft_p50"] > 0
+    assert plot.stat().st_size > 0 and (tmp_path / "quick-bars.png").stat().st_size > 0
+
+
+def test_demo_runs_embedded_with_one_router() -> None:
+    settings = DemoSettings(embedded=True, replicas=2, groups=4, per_group=4)
+    assert demo(settings) == 0
