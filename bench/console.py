@@ -108,9 +108,18 @@ class Console(Hooks):
         failed = [r for r in run.results if r.error is not None]
         if failed:
             self.out.print(f"[red]{len(failed)} requests failed, e.g. {failed[0].error}[/]")
-        troubles = {k: int(v) for k, v in run.router_stats.items() if v}
+        troubles = {
+            k: int(v) for k, v in run.router_stats.items() if v and not k.startswith("stage_")
+        }
         if troubles:
             self.out.print(f"[yellow]router counters: {troubles}[/]")
+        stages = {
+            k.removeprefix("stage_").removesuffix("_ms"): round(v, 2)
+            for k, v in run.router_stats.items()
+            if k.startswith("stage_")
+        }
+        engines = {k: int(v) for k, v in run.engine_stats.items()}
+        self.out.print(f"[dim]decision stages, mean real ms: {stages}; engines: {engines}[/]")
 
     # ------------------------------------------------------------------ results
 

@@ -62,7 +62,7 @@ SEED_LRU_SIZE: Final = 2000
 SEED_TTL_S: Final = 1800.0
 SGLANG_EVICTION_INTERVAL_S: Final = 120.0
 SGLANG_MAX_TREE_SIZE: Final = 1 << 26
-ORACLE_TIMEOUT_S: Final = 2.0
+ORACLE_TIMEOUT_S: Final = 10.0
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 

@@ -17,12 +17,18 @@ so no sums of squares of large numbers are ever subtracted), with
   before it enters the fit (a TTFT that includes a stall counts as a large, not a huge,
   error), and non-finite or negative inputs are ignored;
 * hard bounds on both parameters, so no sequence of observations can produce a nonsensical
-  speed.
+  speed;
+* evidence that fades with time as well (``idle_half_life_s``, given the clock): the router
+  stops sending to a replica it believes slow, so without fading a few slow TTFTs (a cold
+  start, a hiccup) would keep a healthy replica out of routing for good; faded, its estimate
+  drifts back to the seed, it gets requests again and is measured anew.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import Final
 
 from router.policy import DEFAULT_SPEED, SpeedEstimate
@@ -30,12 +36,14 @@ from router.policy import DEFAULT_SPEED, SpeedEstimate
 _MIN_BAND_MS: Final = 0.5
 _REL_BAND: Final = 0.05
 _NOISE_PSEUDO: Final = 2.0
+_FADE_STEP_S: Final = 0.5  # refit for fading at most this often
 
 
 class SpeedModel:
     """One replica's speed estimate, updated one observed TTFT at a time."""
 
     __slots__ = (
+        "_at",
         "_cxx",
         "_cxy",
         "_cyy",
@@ -45,6 +53,7 @@ class SpeedModel:
         "_mx",
         "_my",
         "_w",
+        "idle_half_life_s",
         "max_floor_ms",
         "max_ms_per_token",
         "min_floor_ms",
@@ -69,6 +78,7 @@ class SpeedModel:
         seed_floor_sd_ms: float = 10.0,
         seed_slope_sd: float = 0.5,
         outlier_k: float = 4.0,
+        idle_half_life_s: float = 10.0,
     ) -> None:
         """Start at ``seed``.
 
@@ -78,6 +88,8 @@ class SpeedModel:
         :param seed_floor_sd_ms: how far off the seed's floor may be (prior sd, ms).
         :param seed_slope_sd: how far off the seed's slope may be (prior sd, relative).
         :param outlier_k: residuals beyond this many mean absolute residuals are clipped.
+        :param idle_half_life_s: all the evidence's weight halves every this many seconds
+            (when :meth:`observe` and :meth:`estimate` are given the time).
         """
         if half_life < 1:
             raise ValueError(f"half_life must be >= 1, got {half_life}")
@@ -87,6 +99,8 @@ class SpeedModel:
             raise ValueError("need 0 <= min_floor_ms <= max_floor_ms")
         if seed_floor_sd_ms <= 0 or seed_slope_sd <= 0 or outlier_k <= 0:
             raise ValueError("seed_floor_sd_ms, seed_slope_sd and outlier_k must be > 0")
+        if idle_half_life_s <= 0:
+            raise ValueError("idle_half_life_s must be > 0")
         self.min_ms_per_token = min_ms_per_token
         self.max_ms_per_token = max_ms_per_token
         self.min_floor_ms = min_floor_ms
@@ -95,6 +109,8 @@ class SpeedModel:
         self.seed_floor_sd_ms = seed_floor_sd_ms
         self.seed_slope_sd = seed_slope_sd
         self.outlier_k = outlier_k
+        self.idle_half_life_s = idle_half_life_s
+        self._at: float | None = None
         self._decay = 0.5 ** (1.0 / half_life)
         self._w = self._mx = self._my = self._cxx = self._cxy = self._cyy = 0.0
         self._mad = max(self.seed.floor_ms, 1.0)
@@ -120,9 +136,32 @@ class SpeedModel:
         """Weighted standard deviation of the observed ``tokens_ahead``."""
         return math.sqrt(self._cxx / self._w) if self._w > 0 else 0.0
 
-    def estimate(self) -> SpeedEstimate:
-        """The current estimate: the seed until data says otherwise, always within bounds."""
+    def estimate(self, now: float | None = None) -> SpeedEstimate:
+        """The current estimate: the seed until data says otherwise, always within bounds.
+
+        :param now: the clock (seconds): the evidence fades by the time since last asked.
+        """
+        if now is not None:
+            self._fade(now)
         return self._estimate
+
+    def _fade(self, now: float) -> None:
+        # Scaling every weight alike keeps the weighted means and scales the co-moments.
+        if self._at is None or now < self._at:
+            self._at = now
+            return
+        elapsed = now - self._at
+        if elapsed < _FADE_STEP_S:
+            return
+        self._at = now
+        if self._w <= 0:
+            return
+        fade = 0.5 ** (elapsed / self.idle_half_life_s)
+        self._w *= fade
+        self._cxx *= fade
+        self._cxy *= fade
+        self._cyy *= fade
+        self._estimate = self._fit()
 
     def _fit(self) -> SpeedEstimate:
         # Posterior means under the seed prior: prior weight = noise variance / prior variance,
@@ -143,12 +182,19 @@ class SpeedModel:
         floor = (self._w * fitted_floor + floor_prior * seed.floor_ms) / (self._w + floor_prior)
         return self._clamp(floor, slope)
 
-    def observe(self, ttft_ms: float, prefill_tokens_ahead: float) -> None:
-        """Learn from one request: its TTFT and the prefill work ahead of it at dispatch."""
+    def observe(
+        self, ttft_ms: float, prefill_tokens_ahead: float, now: float | None = None
+    ) -> None:
+        """Learn from one request: its TTFT and the prefill work ahead of it at dispatch.
+
+        :param now: the clock (seconds), for fading (see ``idle_half_life_s``).
+        """
         x, y = float(prefill_tokens_ahead), float(ttft_ms)
         if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
             self.rejected += 1
             return
+        if now is not None:
+            self._fade(now)
         predicted = self._estimate.prefill_ms(x)
         band = self.outlier_k * max(self._mad, _MIN_BAND_MS, _REL_BAND * predicted)
         residual = min(max(y - predicted, -band), band)
@@ -177,10 +223,15 @@ class SpeedBook:
         seed: SpeedEstimate = DEFAULT_SPEED,
         *,
         half_life: int = 50,
+        clock: Callable[[], float] = time.monotonic,
         **bounds: float,
     ) -> None:
-        """:param bounds: further :class:`SpeedModel` keyword arguments (bounds, prior)."""
+        """:param bounds: further :class:`SpeedModel` keyword arguments (bounds, prior).
+
+        :param clock: seconds, for the models' fading.
+        """
         self.seed = seed
+        self.clock = clock
         self._half_life = half_life
         self._bounds = bounds
         self._models: dict[str, SpeedModel] = {}
@@ -198,11 +249,11 @@ class SpeedBook:
     def get(self, replica: str) -> SpeedEstimate:
         """The replica's current estimate (the seed if nothing was observed)."""
         model = self._models.get(replica)
-        return model.estimate() if model is not None else self.seed
+        return model.estimate(self.clock()) if model is not None else self.seed
 
     def observe(self, replica: str, ttft_ms: float, tokens_ahead: float) -> None:
         """Record one TTFT of ``replica``; see :meth:`SpeedModel.observe`."""
-        self.model(replica).observe(ttft_ms, tokens_ahead)
+        self.model(replica).observe(ttft_ms, tokens_ahead, self.clock())
 
     def forget(self, replica: str) -> None:
         """Drop a departed replica's model (a returning one starts from the seed)."""
@@ -210,4 +261,5 @@ class SpeedBook:
 
     def estimates(self) -> dict[str, SpeedEstimate]:
         """Every known replica's estimate, for introspection."""
-        return {replica: model.estimate() for replica, model in self._models.items()}
+        now = self.clock()
+        return {replica: model.estimate(now) for replica, model in self._models.items()}

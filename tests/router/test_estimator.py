@@ -139,3 +139,44 @@ def test_book_keeps_one_model_per_replica() -> None:
         SpeedBook(DEFAULT_SPEED, half_life=0)
     with pytest.raises(TypeError):
         SpeedBook(DEFAULT_SPEED, no_such_option=1.0)
+
+
+def test_evidence_fades_with_idle_time_so_a_shunned_replica_comes_back() -> None:
+    model = SpeedModel(DEFAULT_SPEED, idle_half_life_s=10.0)
+    for i in range(5):  # a cold start: five slow first answers
+        model.observe(150.0, 1000.0, now=i * 0.1)
+    assert model.estimate(now=0.5).floor_ms > 80
+    # the router sends it nothing more (it looks slow): the estimate drifts back to the seed,
+    # so the replica gets requests again and is measured anew
+    assert model.estimate(now=60.0).floor_ms < 35
+    assert model.estimate(now=120.0).floor_ms == pytest.approx(DEFAULT_SPEED.floor_ms, abs=1.0)
+    assert model.samples < 0.01
+    # without the clock nothing fades
+    frozen = SpeedModel(DEFAULT_SPEED)
+    for _ in range(5):
+        frozen.observe(150.0, 1000.0)
+    assert frozen.estimate().floor_ms > 80
+
+
+def test_fading_hardly_touches_a_replica_in_use() -> None:
+    model = SpeedModel(DEFAULT_SPEED)
+    rng = random.Random(3)
+    for i in range(1000):  # ten answers a second
+        x = rng.uniform(0, 8000)
+        model.observe(40.0 + 0.05 * x + rng.gauss(0, 5.0), x, now=i / 10)
+    estimate = model.estimate(now=100.0)
+    assert estimate.prefill_ms_per_token == pytest.approx(0.05, rel=0.03)
+    assert estimate.floor_ms == pytest.approx(40.0, abs=4.0)
+
+
+def test_a_book_fades_its_models_by_its_clock() -> None:
+    now = [0.0]
+    book = SpeedBook(DEFAULT_SPEED, clock=lambda: now[0])
+    for _ in range(5):
+        book.observe("r1", 150.0, 1000.0)
+    assert book.get("r1").floor_ms > 80
+    now[0] = 120.0
+    assert book.get("r1").floor_ms == pytest.approx(DEFAULT_SPEED.floor_ms, abs=1.0)
+    assert book.estimates()["r1"] == book.get("r1")
+    with pytest.raises(ValueError):
+        SpeedBook(DEFAULT_SPEED, idle_half_life_s=0.0)
