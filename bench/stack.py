@@ -9,6 +9,7 @@ every process logs to its own file in the work directory.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -305,9 +306,15 @@ class LocalStack:
         try:
             self._plan()
             deadline = time.monotonic() + timeout_s
-            for proc in self._procs.values():
-                self._launch(proc)
-                self._wait(proc, deadline - time.monotonic())
+            # processes of one kind (replica-0, replica-1, ...) start side by side
+            for _, group in itertools.groupby(
+                self._procs.values(), key=lambda p: p.name.rsplit("-", 1)[0]
+            ):
+                started = list(group)
+                for proc in started:
+                    self._launch(proc)
+                for proc in started:
+                    self._wait(proc, deadline - time.monotonic())
             self._wait_assembled(deadline - time.monotonic())
             if "haproxy" in self._procs:
                 self._wait_url(

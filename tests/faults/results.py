@@ -42,6 +42,7 @@ class FaultRow:
     consistent: str
     consistent_after_s: float | None
     notes: str = ""
+    steady: bool = False  # no fault (the soak): no dip, no recovery
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -54,15 +55,19 @@ def make_row(
     *,
     extra_results: Sequence[Result] = (),
     notes: str = "",
+    steady: bool = False,
     **extra: Any,
 ) -> FaultRow:
-    """The row of a drill from its workload's results and the consistency check."""
+    """The row of a drill from its workload's results and the consistency check.
+
+    :param steady: no fault was injected (the soak): the hit rate is the whole run's.
+    """
     results = [*workload.results, *extra_results]
     counts = workload.counts(results)
     before = between(workload.results, marks.baseline_from, marks.fault_at)
-    baseline = hit_rate(before)
+    baseline = hit_rate(workload.results if steady else before)
     recovery = dip = None
-    if baseline:
+    if baseline and not steady:
         recovery = recovery_s(
             workload.results,
             fault_at=marks.fault_at,
@@ -76,7 +81,7 @@ def make_row(
     elif not consistency.ok:
         consistent = "no"
     elif consistency.unindexed:
-        consistent = f"subset ({consistency.unindexed} blocks unindexed)"
+        consistent = f"subset: {consistency.unindexed} cached blocks unindexed"
     else:
         consistent = "yes"
     timeline = []  # hit rate per second, from the baseline on (the fault at t = 0)
@@ -102,6 +107,7 @@ def make_row(
         consistent=consistent,
         consistent_after_s=None if consistency is None else consistency.after_s,
         notes=notes,
+        steady=steady,
         extra=extra,
     )
 
@@ -150,10 +156,13 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
         if r["consistent_after_s"] is not None and consistent != "n/a":
             consistent += f" ({r['consistent_after_s']:.1f})"
         recovery = _seconds(r["recovery_s"], "not recovered" if r["baseline_hit"] else "—")
+        hits = f"{_rate(r['baseline_hit'])} → {_rate(r['dip_hit'])}"
+        if r.get("steady"):
+            recovery, hits = "— (no fault)", f"{_rate(r['baseline_hit'])} (whole run)"
         lines.append(
             f"| {fault} | {r['title']} | {r['sent']} | {r['completed']}{cancelled} "
             f"| {r['clean_errors']} | {r['conn_errors']} | {r['lost']} | {_seconds(r['held_s'])} "
-            f"| {_rate(r['baseline_hit'])} → {_rate(r['dip_hit'])} | {recovery} | {consistent} |"
+            f"| {hits} | {recovery} | {consistent} |"
         )
     return "\n".join(lines)
 

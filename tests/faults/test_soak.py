@@ -118,6 +118,7 @@ async def test_soak_flat_memory_no_leaked_load_sockets_or_threads(
             f"every engine were idle {idle_s:.1f} s after the load stopped. "
             f"{'' if SOAK else 'KVROUTER_SOAK=1 runs the 180 s (one engine-hour) soak.'}"
         ),
+        steady=True,
         processes=report,
         simulated_minutes=round(simulated_min, 1),
     )

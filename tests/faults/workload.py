@@ -203,12 +203,13 @@ class Workload:
         *,
         stream: bool,
         max_tokens: int,
-        answering: asyncio.Event | None = None,
+        answering: asyncio.Future[str | None] | None = None,
     ) -> Result:
         """One request, classified; never raises for what the server or network did.
 
-        :param answering: set once the response headers arrived (for a stream: the router
-            relays its first chunk), i.e. the request is in flight on a replica.
+        :param answering: resolved with the replica (``x-kvrouter-replica``) once the
+            response headers arrived (for a stream: the router relays its first chunk), i.e.
+            the request is in flight on that replica.
         """
         n = next(self._ids)
         body = self.body(n, group, stream=stream, max_tokens=max_tokens)
@@ -234,7 +235,7 @@ class Workload:
         body: dict[str, Any],
         stream: bool,
         max_tokens: int,
-        answering: asyncio.Event | None,
+        answering: asyncio.Future[str | None] | None,
     ) -> dict[str, Any]:
         client = self.client()
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -242,8 +243,8 @@ class Workload:
                 "status": response.status_code,
                 "replica": response.headers.get(REPLICA_HEADER),
             }
-            if answering is not None:
-                answering.set()
+            if answering is not None and not answering.done():
+                answering.set_result(out["replica"])
             if response.status_code != 200 or not stream:
                 raw = await response.aread()
                 out["first_byte"] = time.monotonic()
