@@ -24,9 +24,9 @@ from publishers.engine import EngineConfig, SimulatedEngine
 from publishers.faults import debug_routes
 from publishers.registration import RegistrationService
 from publishers.server import create_app
-from publishers.serving import HTTPServer, bind
 from publishers.zmq import ZmqEventPublisher, binds
 from tracker.errors import ConfigError
+from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, ReplicaRecord
 from tracker.tokens import Tokenizer, load_chat_template
 
@@ -144,11 +144,9 @@ class FleetService:
             raise ConfigError(str(exc)) from None
         try:
             sock = bind(s.host, s.port + i)
-        except OSError as exc:
+        except ConfigError as exc:
             publisher.close()
-            raise ConfigError(
-                f"{replica_id}: cannot listen on {s.host}:{s.port + i}: {exc}"
-            ) from None
+            raise ConfigError(f"{replica_id}: {exc}") from None
         await engine.start()
         app = create_app(
             engine,

@@ -12,14 +12,8 @@ cuts the drain short.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
-import signal
-import socket
-from collections.abc import Iterator
 
-import uvicorn
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
@@ -28,31 +22,12 @@ from router.config import RouterSettings
 from router.load import LoadBoard, LocalLoadBoard, RedisLoadBoard, new_router_id
 from router.placement import TokenizerBook
 from tracker.config import TrackerSettings
-from tracker.errors import ConfigError
+from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex
+from tracker.lifecycle import run_until_signalled
 from tracker.service import TrackerService
 
 logger = logging.getLogger(__name__)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the service decides when to stop."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        sock = socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    # asyncio disables Nagle (TCP_NODELAY) only on accepted sockets whose proto says TCP, and
-    # create_server leaves it 0: without this, small SSE chunks on a kept-alive connection
-    # wait for the client's delayed ACK (up to 40 ms on Linux).
-    return socket.socket(sock.family, sock.type, socket.IPPROTO_TCP, fileno=sock.detach())
 
 
 def tracker_settings(settings: RouterSettings) -> TrackerSettings:
@@ -83,8 +58,7 @@ class RouterService:
         self.tracker: TrackerService | None = None
         self.app: Starlette | None = None
         self.port: int | None = None
-        self._server: _Server | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._http: HTTPServer | None = None
         self._stopping = asyncio.Event()
         self._stopped = False
 
@@ -137,46 +111,37 @@ class RouterService:
         )
 
     async def _serve(self, app: Starlette) -> None:
-        sock = _bind(self.settings.host, self.settings.port)
-        self.port = int(sock.getsockname()[1])
-        config = uvicorn.Config(
+        settings = self.settings
+        self._http = HTTPServer(
             app,
-            log_config=None,
-            access_log=False,
+            bind(settings.host, settings.port),
+            shutdown_timeout_s=settings.shutdown_timeout_s,
             lifespan="on",
-            ws="none",
-            timeout_graceful_shutdown=max(1, math.ceil(self.settings.shutdown_timeout_s)),
+            name="the router app",
         )
-        self._server = _Server(config)
-        self._task = asyncio.get_running_loop().create_task(
-            self._server.serve(sockets=[sock]), name="kvrouter-http"
-        )
-        while not self._server.started:
-            if self._task.done():
-                sock.close()
-                self._task.result()
-                raise ConfigError("the router app failed to start (see the log above)")
-            await asyncio.sleep(0.01)
+        self.port = self._http.port
+        await self._http.start()
 
     def request_stop(self) -> None:
         """Begin the graceful shutdown (safe from a signal handler); twice: cut it short."""
         if self._stopping.is_set():
-            if self._server is not None:
+            if self._http is not None:
                 logger.warning("second stop request: not waiting for in-flight requests")
-                self._server.force_exit = True
+                self._http.force_exit()
             return
         logger.info("router stop requested")
         self._stopping.set()
 
     async def run(self) -> int:
         """Serve until :meth:`request_stop`, then shut down; returns an exit status."""
-        if self._task is None:
+        if self._http is None:
             await self.start()
-        assert self._task is not None
+        assert self._http is not None
+        serving = self._http.task
         stopping = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait({stopping, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({stopping, serving}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
-        failed = self._task.done() and not self._stopping.is_set()
+        failed = serving.done() and not self._stopping.is_set()
         await self.stop()
         return 1 if failed else 0
 
@@ -191,9 +156,8 @@ class RouterService:
             self.router.draining = True
             inflight = self.router.proxy.inflight
         logger.info("router draining", extra={"inflight": inflight})
-        if self._server is not None and self._task is not None:
-            self._server.should_exit = True
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._http is not None:
+            await self._http.stop()
         left = self.router.proxy.inflight if self.app is not None else 0
         await self._close()
         logger.info("router stopped", extra={"drained": inflight - left, "cancelled": left})
@@ -209,16 +173,7 @@ class RouterService:
 
 async def serve(settings: RouterSettings) -> int:
     """Run a router until SIGINT/SIGTERM."""
-    service = RouterService(settings)
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for sig in signals:
-        loop.add_signal_handler(sig, service.request_stop)
-    try:
-        return await service.run()
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+    return await run_until_signalled(RouterService(settings))
 
 
 def run(settings: RouterSettings) -> int:

@@ -10,13 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-import socket
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from typing import Any, Protocol, runtime_checkable
 
-import uvicorn
 import zmq
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
@@ -26,8 +23,10 @@ from starlette.routing import Route
 
 from tracker.blocks import Namespace
 from tracker.config import TrackerSettings
-from tracker.errors import IndexUnavailableError
+from tracker.errors import ConfigError, IndexUnavailableError
+from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex, ReplicaRecord
+from tracker.lifecycle import run_until_signalled
 from tracker.metrics import TrackerMetrics
 from tracker.streams import ReplicaTarget
 from tracker.subscriber import Subscriber
@@ -38,14 +37,6 @@ logger = logging.getLogger(__name__)
 @runtime_checkable
 class _Pinging(Protocol):
     async def ping(self) -> bool: ...
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the service decides when to stop."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def static_targets(settings: TrackerSettings) -> list[ReplicaTarget]:
@@ -59,21 +50,6 @@ def static_targets(settings: TrackerSettings) -> list[ReplicaTarget]:
         )
         for spec in settings.replica_specs
     ]
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class TrackerService:
@@ -102,8 +78,7 @@ class TrackerService:
         self._rejected: dict[str, ReplicaTarget | None] = {}
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._server: _EmbeddedServer | None = None
-        self._server_task: asyncio.Task[None] | None = None
+        self._http: HTTPServer | None = None
         self._failure: BaseException | None = None
         self._started = False
         self._stopped = False
@@ -134,7 +109,7 @@ class TrackerService:
         if not self._started:
             try:
                 await self.start()
-            except (OSError, zmq.ZMQError) as exc:
+            except (OSError, zmq.ZMQError, ConfigError) as exc:
                 logger.error("tracker failed to start", extra={"error": str(exc)})
                 await self.stop()
                 return 1
@@ -164,14 +139,8 @@ class TrackerService:
             if pending:
                 await asyncio.wait(pending)
         counts = await self.subscriber.stop(max(0.0, deadline - loop.time()))
-        if self._server is not None and self._server_task is not None:
-            self._server.should_exit = True
-            try:
-                async with asyncio.timeout(max(1.0, deadline - loop.time())):
-                    await asyncio.shield(self._server_task)
-            except TimeoutError:
-                self._server_task.cancel()
-                await asyncio.wait([self._server_task])
+        if self._http is not None:
+            await self._http.stop()
         logger.info("tracker stopped", extra=counts)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -319,22 +288,14 @@ class TrackerService:
                 Route("/health", self._health_endpoint),
             ]
         )
-        sock = _listen(self.settings.http_host, self.settings.http_port)
-        self.http_port = int(sock.getsockname()[1])
-        config = uvicorn.Config(
+        self._http = HTTPServer(
             app,
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            http="h11",
-            ws="none",
-            timeout_graceful_shutdown=1,
+            bind(self.settings.http_host, self.settings.http_port, backlog=128),
+            shutdown_timeout_s=1.0,
+            name="tracker http",
         )
-        self._server = _EmbeddedServer(config)
-        self._server_task = asyncio.get_running_loop().create_task(
-            self._server.serve(sockets=[sock]), name="http"
-        )
+        self.http_port = self._http.port
+        await self._http.start()
         logger.info(
             "http server listening",
             extra={"host": self.settings.http_host, "port": self.http_port},
@@ -377,16 +338,9 @@ async def serve(settings: TrackerSettings) -> int:
         index = RedisIndex.from_url(settings.redis)
     else:
         index = MemoryIndex()
-    service = TrackerService(settings, index, CollectorRegistry())
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for sig in signals:
-        loop.add_signal_handler(sig, service.request_stop)
     try:
-        return await service.run()
+        return await run_until_signalled(TrackerService(settings, index, CollectorRegistry()))
     finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
         await index.close()
 
 

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from publishers.engine import EngineConfig, GenerationRequest, SimulatedEngine
 from publishers.latency import load_profile
 from publishers.server import create_app
-from publishers.serving import HTTPServer, bind
+from tracker.http import HTTPServer, bind
 from tracker.tokens import Tokenizer
 
 PROMPT = list(range(100)) * 10  # 1,000 tokens: 62 full blocks

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from publishers.engine import EngineConfig, SimulatedEngine
 from publishers.server import create_app
-from publishers.serving import HTTPServer, bind
+from tracker.http import HTTPServer, bind
 from tracker.tokens import Tokenizer
 
 MODEL = "sim-model"

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from publishers.commands import AttachSettings
 from publishers.registration import RegistrationService
-from publishers.serving import HTTPServer, bind
+from tracker.http import HTTPServer, bind
 from publishers.vllm import (
     attach,
     attach_record,

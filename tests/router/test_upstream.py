@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from publishers.serving import HTTPServer, bind
+from tracker.http import HTTPServer, bind
 from router.errors import UpstreamError, UpstreamTimeoutError
 from router.upstream import UpstreamClient, failure_kind, passthrough_headers
 from tests.procs import free_port

@@ -1,0 +1,78 @@
+"""The HTTP serving every process shares: the listening socket and the embedded uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from tracker.errors import ConfigError
+from tracker.http import HTTPServer, bind
+
+
+async def test_accepted_connections_disable_nagle() -> None:
+    # Without TCP_NODELAY a streamed chunk can wait for the client's delayed ACK (40 ms).
+    sock = bind("127.0.0.1", 0)
+    accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = writer.get_extra_info("socket")
+        accepted.set_result(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, sock=sock)
+    async with server:
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        assert await asyncio.wait_for(accepted, 5) != 0
+        writer.close()
+
+
+def test_a_port_in_use_is_a_config_error_naming_the_address() -> None:
+    taken = bind("127.0.0.1", 0)
+    port = int(taken.getsockname()[1])
+    try:
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind("127.0.0.1", port)
+    finally:
+        taken.close()
+
+
+async def test_stop_lets_an_in_flight_request_finish_then_closes_the_socket() -> None:
+    started = asyncio.Event()
+
+    async def slow(request: Request) -> PlainTextResponse:
+        started.set()
+        await asyncio.sleep(0.3)
+        return PlainTextResponse("done")
+
+    server = HTTPServer(Starlette(routes=[Route("/slow", slow)]), bind("127.0.0.1", 0))
+    await server.start()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as client:
+        pending = asyncio.create_task(client.get("/slow"))
+        await started.wait()
+        await server.stop()
+        response = await pending
+        assert response.text == "done"
+        with pytest.raises(httpx.ConnectError):
+            await client.get("/slow")
+    assert server.sock.fileno() == -1
+
+
+async def test_an_app_whose_startup_fails_is_a_start_error_not_a_hang() -> None:
+    @contextlib.asynccontextmanager
+    async def broken(app: Starlette) -> AsyncIterator[None]:
+        raise RuntimeError("no model files")
+        yield
+
+    server = HTTPServer(Starlette(lifespan=broken), bind("127.0.0.1", 0), lifespan="on")
+    with pytest.raises(ConfigError, match="failed to start"):
+        await asyncio.wait_for(server.start(), 10)
+    assert server.sock.fileno() == -1
