@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,31 +15,12 @@ import zmq
 import zmq.asyncio
 
 from publishers.commands import ReplicaSettings
-from tests.procs import free_port
+from tests.procs import free_ports
 from tracker.errors import ConfigError
 from tracker.events import BlockStored, decode_batch, decode_message
 from tracker.redis_index import RedisIndex
 
 KVROUTER = Path(sys.executable).parent / "kvrouter"
-
-
-def free_ports(count: int) -> int:
-    """A first port such that ``count`` consecutive loopback ports are free."""
-    for _ in range(50):
-        first = free_port()
-        socks = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no run of free ports")
 
 
 async def wait_healthy(url: str, proc: asyncio.subprocess.Process, within: float = 20) -> None:

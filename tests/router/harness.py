@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,29 +22,10 @@ from publishers.engine import SimulatedEngine
 from publishers.fleet import FleetService
 from router.config import RouterSettings
 from router.service import RouterService
-from tests.procs import free_port
+from tests.procs import free_ports
 
 KVROUTER = Path(sys.executable).parent / "kvrouter"
 SYSTEM = "You are a careful assistant who answers in full sentences and cites sources. " * 16
-
-
-def free_ports(count: int) -> int:
-    """A first port such that ``count`` consecutive loopback ports are free."""
-    for _ in range(50):
-        first = free_port()
-        socks = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no run of free ports")
 
 
 def chat(system: str, user: str, **extra: Any) -> dict[str, Any]:

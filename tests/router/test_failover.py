@@ -21,14 +21,13 @@ from starlette.routing import Route
 from tracker.http import HTTPServer, bind
 from router.proxy import FALLBACK_HEADER, PREDICTED_HEADER, REPLICA_HEADER
 from router.service import RouterService
-from tests.procs import RedisServer, free_port
+from tests.procs import RedisServer, free_port, free_ports
 from tests.router.harness import (
     SYSTEM,
     Process,
     base_url,
     chat,
     engines,
-    free_ports,
     metric,
     router,
     wait_healthy,

@@ -16,12 +16,11 @@ import httpx
 import pytest
 
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
-from tests.procs import free_port
+from tests.procs import free_port, free_ports
 from tests.router.harness import (
     SYSTEM,
     Process,
     chat,
-    free_ports,
     wait_healthy,
     wait_until,
 )

@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.procs import free_port
-from tests.router.harness import Process, free_ports
+from tests.procs import free_port, free_ports
+from tests.router.harness import Process
 from tests.security import openapi
 
 pytestmark = pytest.mark.timeout(300)
