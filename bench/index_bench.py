@@ -12,17 +12,14 @@ import argparse
 import asyncio
 import json
 import random
-import shutil
-import socket
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import redis as redis_sync
 
+from bench.procs import RedisServer
 from tracker.blocks import Namespace, block_keys
 from tracker.events import (
     BlockStored,
@@ -36,54 +33,6 @@ from tracker.index import BlockIndex, MemoryIndex
 from tracker.redis_index import RedisIndex
 
 NAMESPACE = Namespace("bench-model", 16)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class _Redis:
-    """A private redis-server for the run (default), so numbers are not polluted."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvr-bench-")
-        binary = shutil.which("redis-server") or "redis-server"
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.dir,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def workload(
@@ -200,7 +149,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "lookup": await lookup_latency(memory, 512, 8, args.iterations, 2),
     }
 
-    server = None if args.redis else _Redis()
+    server = None if args.redis else RedisServer().start()
     url = args.redis or server.url  # type: ignore[union-attr]
     try:
         with redis_sync.Redis.from_url(url) as client:

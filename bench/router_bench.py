@@ -34,7 +34,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from bench.corpus import Lexicon, train_tokenizer
-from bench.index_bench import _Redis
+from bench.procs import RedisServer
 from bench.proxy_load import ProxySettings, measure, proxy_table
 from router.app import Router
 from router.config import RouterSettings
@@ -298,7 +298,7 @@ async def decision_overhead(
     with tempfile.TemporaryDirectory(prefix="kvr-router-bench-") as tmp:
         tokenizer_dir = train_tokenizer(lexicon, Path(tmp) / "tokenizer")
         trained_s = time.perf_counter() - started
-        server = _Redis()
+        server = RedisServer().start()
         try:
             settings = router_settings(server.url, tokenizer_dir)
             book = TokenizerBook.load(settings)

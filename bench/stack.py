@@ -25,6 +25,8 @@ from typing import IO, Any
 
 import httpx
 
+from bench.procs import redis_server_argv
+
 
 class StackError(RuntimeError):
     """A process of the stack failed to start or to become healthy."""
@@ -171,26 +173,11 @@ class LocalStack:
         cfg, kv = self.config, kvrouter_bin()
         redis_flags = ["--redis", self.redis_url] if self.redis_url else []
         if cfg.redis:
-            redis_server = shutil.which("redis-server")
-            if redis_server is None:
-                raise StackError("redis-server is not installed (scripts/install installs it)")
-            self._add(
-                "redis",
-                [
-                    redis_server,
-                    "--port",
-                    str(self.redis_port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    str(self.workdir),
-                ],
-                None,
-            )
+            try:
+                argv = redis_server_argv(self.redis_port, self.workdir)
+            except RuntimeError as exc:
+                raise StackError(str(exc)) from None
+            self._add("redis", argv, None)
         groups = (
             [(f"replica-{i}", i, 1) for i in range(cfg.replicas)]
             if cfg.replica_processes

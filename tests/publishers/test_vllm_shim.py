@@ -21,7 +21,6 @@ from starlette.routing import Route
 
 from publishers.commands import AttachSettings
 from publishers.registration import RegistrationService
-from tracker.http import HTTPServer, bind
 from publishers.vllm import (
     attach,
     attach_record,
@@ -34,6 +33,7 @@ from publishers.vllm import (
 from publishers.zmq import endpoint_for_rank
 from tests.procs import RedisServer
 from tracker.errors import ConfigError
+from tracker.http import HTTPServer, bind
 from tracker.index import ReplicaRecord
 from tracker.redis_index import RedisIndex
 

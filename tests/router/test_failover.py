@@ -18,7 +18,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tracker.http import HTTPServer, bind
 from router.proxy import FALLBACK_HEADER, PREDICTED_HEADER, REPLICA_HEADER
 from router.service import RouterService
 from tests.procs import RedisServer, free_port, free_ports
@@ -34,6 +33,7 @@ from tests.router.harness import (
     wait_until,
 )
 from tracker.blocks import Namespace, block_keys
+from tracker.http import HTTPServer, bind
 
 pytestmark = pytest.mark.timeout(60)
 NS = Namespace("sim", 16)

@@ -12,10 +12,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from tracker.http import HTTPServer, bind
 from router.errors import UpstreamError, UpstreamTimeoutError
 from router.upstream import UpstreamClient, failure_kind, passthrough_headers
 from tests.procs import free_port
+from tracker.http import HTTPServer, bind
 
 pytestmark = pytest.mark.timeout(20)
 
