@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Final
 
@@ -90,6 +91,9 @@ class RouterSettings(LogSettings):
     offload_hit_cost: float = setting(0.3, "cost of an offload-tier hit relative to recompute")
     temperature: float = setting(0.0, "softmax temperature in ms (0: best score, random ties)")
     tie_epsilon_ms: float = setting(1.0, "expected TTFTs this close are a tie")
+    miss_weight: float = setting(
+        2.0, "ttft policy: weight of uncached prefill in the score (1: pure expected TTFT)"
+    )
     lookup_timeout_ms: float = setting(10.0, "time budget of the index lookup and load snapshot")
     lookup_timeout_per_block_us: float = setting(
         2.0, "extra lookup budget per block of the prompt, in µs (long prompts walk more blocks)"
@@ -169,6 +173,8 @@ class RouterSettings(LogSettings):
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
+        if not (self.miss_weight >= 1 and math.isfinite(self.miss_weight)):
+            raise ConfigError("miss-weight must be a finite number >= 1")
         if not 0 < self.load_renew_s < self.lease_ttl_s:
             raise ConfigError("need 0 < load-renew-s < lease-ttl-s")
         self._check_baselines()
@@ -201,4 +207,5 @@ class RouterSettings(LogSettings):
             offload_hit_cost=self.offload_hit_cost,
             temperature=self.temperature,
             tie_epsilon_ms=self.tie_epsilon_ms,
+            miss_weight=self.miss_weight,
         )

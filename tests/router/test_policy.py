@@ -94,7 +94,13 @@ def test_score_breakdown(case: Case) -> None:
     assert score.queue_ms == pytest.approx(queue_ms)
     assert score.prefill_ms == pytest.approx(prefill_ms)
     assert score.expected_ttft_ms == pytest.approx(queue_ms + prefill_ms)
-    assert score.score == -score.expected_ttft_ms
+    # the score counts the replica's own prefill work miss_weight times
+    own_work = prefill_ms - F if prompt else 0.0
+    extra = (CONFIG.miss_weight - 1) * own_work
+    assert score.score == pytest.approx(-(score.expected_ttft_ms + extra))
+    assert score_replica(prompt, state, PolicyConfig(miss_weight=1.0)).score == pytest.approx(
+        -score.expected_ttft_ms
+    )
 
 
 def test_work_tokens_are_what_the_estimator_regresses_on() -> None:
@@ -106,16 +112,27 @@ def test_work_tokens_are_what_the_estimator_regresses_on() -> None:
     assert plain.expected_ttft_ms == pytest.approx(DEFAULT_SPEED.prefill_ms(plain.work_tokens))
 
 
-def test_cache_hit_wins_until_its_queue_costs_more_than_the_miss() -> None:
-    """The crossover is where queued work on the warm replica equals the prefill it saves."""
+@pytest.mark.parametrize("miss_weight", [1.0, 2.0, 3.5])
+def test_cache_hit_wins_until_its_queue_costs_more_than_the_weighted_miss(
+    miss_weight: float,
+) -> None:
+    """The crossover is where queued work on the warm replica equals ``miss_weight`` times
+    the prefill it saves (1: pure expected TTFT)."""
+    config = PolicyConfig(miss_weight=miss_weight)
     prompt, size = 4096, 16
     warm_blocks = (prompt - 1) // size
     saved = warm_blocks * size  # tokens the warm replica need not prefill
+    crossover = miss_weight * saved
     rng = random.Random(0)
-    for queued, winner in [(0, "warm"), (saved - 100, "warm"), (saved + 100, "cold")]:
-        warm = ReplicaState("warm", warm_blocks, warm_blocks, queued_prefill_tokens=queued)
+    for queued, winner in [(0, "warm"), (crossover - 100, "warm"), (crossover + 100, "cold")]:
+        warm = ReplicaState("warm", warm_blocks, warm_blocks, queued_prefill_tokens=int(queued))
         cold = ReplicaState("cold")
-        assert decide(prompt, [cold, warm], CONFIG, rng).replica == winner, queued
+        assert decide(prompt, [cold, warm], config, rng).replica == winner, queued
+
+
+def test_miss_weight_below_one_is_rejected() -> None:
+    with pytest.raises(ValueError, match="miss_weight"):
+        PolicyConfig(miss_weight=0.5)
 
 
 def test_a_faster_replica_can_beat_a_cache_hit() -> None:
