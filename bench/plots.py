@@ -6,6 +6,7 @@ engine-reported prefix hit rate and output throughput per policy.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def plot(
     ax.set_ylim(0, 1.0)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title(f"TTFT CDF — {title}", fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(f"TTFT CDF — {title}", 90)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -64,7 +65,7 @@ def plot(
         axis.tick_params(axis="x", labelrotation=30)
         for i, value in enumerate(values):
             axis.text(i, value, fmt.format(value), ha="center", va="bottom", fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
     fig.tight_layout()
     bars = bars_path(path)
     fig.savefig(bars, dpi=110)
