@@ -110,6 +110,11 @@ class Hooks:
         """A policy's pass ended."""
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: unwind, so the stack's processes are stopped, not orphaned."""
+    raise KeyboardInterrupt
+
+
 class Harness:
     """Runs ``workload`` through each of ``policies`` on one fleet (see the module docstring)."""
 
@@ -132,12 +137,16 @@ class Harness:
         self._last_policy = ""
 
     def run(self) -> list[PolicyRun]:
-        """Start the fleet, run every policy, stop the fleet."""
+        """Start the fleet, run every policy, stop the fleet (also on SIGTERM or Ctrl-C)."""
         self.hooks.stage(f"starting {self.fleet.replicas} engines in {self.stack.workdir}")
         runs = []
-        with self.stack:
-            for policy in self.policies:
-                runs.append(self.run_policy(policy))
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            with self.stack:
+                for policy in self.policies:
+                    runs.append(self.run_policy(policy))
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         return runs
 
     def run_policy(self, policy: str) -> PolicyRun:

@@ -129,7 +129,7 @@ class Router:
             health_interval_s=settings.health_interval_s,
             health_timeout_s=settings.health_timeout_s,
             metrics_interval_s=settings.metrics_interval_s,
-            on_removed=self.speeds.forget,
+            on_removed=self._forget_replica,
         )
         api = load_keys(settings.api_key, settings.api_key_file, "api-key")
         admin = load_keys(settings.admin_key, settings.admin_key_file, "admin-key")
@@ -169,6 +169,11 @@ class Router:
                 await self.load.snapshot(namespace)
         except (IndexUnavailableError, TimeoutError) as exc:
             logger.warning("index not reachable at start-up", extra={"error": str(exc)})
+
+    def _forget_replica(self, replica: str) -> None:
+        """A replica left the registry: drop its speed estimate and its connection pool."""
+        self.speeds.forget(replica)
+        self.upstream.retire(replica)
 
     async def stop(self) -> None:
         await self.monitor.stop()

@@ -109,7 +109,7 @@ class RouterSettings(LogSettings):
     )
     read_timeout_s: float = setting(120.0, "longest wait between two chunks of a stream")
     retries: int = setting(1, "retries on the next-best replica before the first byte")
-    max_connections: int = setting(4096, "upstream connections, all replicas together")
+    max_connections: int = setting(1024, "upstream connections to each replica (own pool)")
     health_interval_s: float = setting(2.0, "time between active health checks of a replica")
     health_timeout_s: float = setting(1.0, "timeout of one health check")
     unhealthy_after: int = setting(3, "failures in a row that take a replica out of rotation")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +50,40 @@ def test_quick_bench_compares_round_robin_and_kvrouter(tmp_path: Path) -> None:
 def test_demo_runs_embedded_with_one_router() -> None:
     settings = DemoSettings(embedded=True, replicas=2, groups=4, per_group=4)
     assert demo(settings) == 0
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie left to an init that does not reap counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_sigterm_stops_the_fleet_instead_of_orphaning_it() -> None:
+    kvrouter = Path(sys.executable).parent / "kvrouter"
+    with subprocess.Popen(
+        [str(kvrouter), "bench", "--quick", "--policies", "round-robin"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:  # the fleet is up once a policy starts
+                if "restarting the router" in line:
+                    break
+            listing = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text()
+            children = [int(pid) for pid in listing.split()]
+            assert len(children) >= 3, children  # redis-server, the engines, the tracker, ...
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+            assert proc.returncode != 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)]

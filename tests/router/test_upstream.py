@@ -133,3 +133,22 @@ async def test_refused_and_dropped_connections() -> None:
             for srv in (half, silent):
                 srv.close()
                 await srv.wait_closed()
+
+
+async def test_each_replica_has_its_own_pool_and_a_retired_one_finishes_its_streams() -> None:
+    async with server() as url, client() as upstream:
+        # replica "a" holds a stream open while its pool is retired (it left the fleet)
+        stream = await upstream.open("a", url, "/stream?gap=0.3", b"{}", {}, timeout_s=2)
+        assert await stream.next_chunk(1.0) == b"data: 1\n\n"
+        upstream.retire("a")
+        assert await stream.next_chunk(2.0) == b"data: 2\n\n"
+        await stream.aclose()
+        # a request to the same replica afterwards opens a fresh pool
+        status, text = await upstream.get("a", url, "/late", timeout_s=2)
+        assert (status, text) == (200, '{"ok": true}')
+        # the same server under another replica id is another pool: "b"'s slow answer does
+        # not hold up "a"
+        slow = asyncio.create_task(upstream.get("b", url, "/late?after=0.5", timeout_s=2))
+        status, _ = await asyncio.wait_for(upstream.get("a", url, "/late", timeout_s=2), 0.4)
+        assert status == 200
+        assert (await slow)[0] == 200
