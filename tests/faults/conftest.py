@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -13,17 +12,6 @@ from bench.stack import LocalStack
 from tests.faults.drill import Drill, drill_config
 
 DrillFactory = Callable[..., Awaitable[Drill]]
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The drills take ~5 minutes on 2 cores and are still being stabilised (see
-    # docs/reliability.md): opt in with KVROUTER_FAULTS=1 (scripts/faults does).
-    if os.environ.get("KVROUTER_FAULTS") == "1":
-        return
-    skip = pytest.mark.skip(reason="fault drills are opt-in: set KVROUTER_FAULTS=1")
-    for item in items:
-        if "tests/faults/" in str(item.fspath).replace(os.sep, "/"):
-            item.add_marker(skip)
 
 
 @pytest.fixture

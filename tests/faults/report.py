@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.run:
         args.results.unlink(missing_ok=True)
-        env = {**os.environ, ENV: str(args.results), "KVROUTER_FAULTS": "1"}
+        env = {**os.environ, ENV: str(args.results)}
         command = [sys.executable, "-m", "pytest", "tests/faults"]
         code = subprocess.call([*command, *args.pytest_args], cwd=ROOT, env=env)
         if code != 0:
