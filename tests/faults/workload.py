@@ -373,28 +373,32 @@ def recovery_s(
     window_s: float = 2.0,
     step_s: float = 0.25,
     min_requests: int = 8,
+    final_s: float = 4.0,
 ) -> float | None:
     """Seconds from ``fault_at`` until the hit rate is back for good; None if it never is.
 
     Windows of ``window_s`` (by completion time, stepped by ``step_s``) from the fault to
     ``end``: recovery is the end of the last window whose hit rate is below ``share`` of
-    ``baseline`` (0 when none is). The final window must be above it, or it never recovered.
+    ``baseline`` (0 when none is). "For good": the requests of the last ``final_s`` taken
+    together must be above it, or it never recovered (one 2 s window holds ~50 requests, so a
+    few cold misses in the very last one must not decide it alone).
     Windows with fewer than ``min_requests`` completed requests say nothing and are skipped.
     """
     target = share * baseline
     last_bad: float | None = None
-    last_ok = False
     start = fault_at
     while start + window_s <= end:
         window = [r for r in between(results, start, start + window_s) if r.hit_rate is not None]
         if len(window) >= min_requests:
             rate = hit_rate(window)
-            ok = rate is not None and rate >= target
-            if not ok:
+            if rate is None or rate < target:
                 last_bad = start + window_s
-            last_ok = ok
         start += step_s
-    if not last_ok and last_bad is not None:
+    final = [
+        r for r in between(results, max(fault_at, end - final_s), end) if r.hit_rate is not None
+    ]
+    final_rate = hit_rate(final) if len(final) >= min_requests else None
+    if last_bad is not None and (final_rate is None or final_rate < target):
         return None
     return 0.0 if last_bad is None else last_bad - fault_at
 
