@@ -54,7 +54,8 @@ Defaults and where they come from:
   there — KV memory that evicts other prefixes, and a shared prefix whose later requests
   now split between two replicas. On the default benchmark (``kvrouter bench``: 64 groups
   sharing 2k-token prompts on 8 KV-bound engines) weight 1 gave a 78 % engine hit rate and a
-  2.4 s TTFT p99 (preemptions, requests waiting for KV memory); see docs/benchmarks.md.
+  2.4 s TTFT p99 (preemptions, requests waiting for KV memory); see the README's routing results
+  (bench/results/routing-gsp-miss-weight-1.json).
   The TTFT estimate itself (and what the estimator learns from) is unweighted.
 * ``tie_epsilon_ms = 1``: candidates within 1 ms of the best are a tie (below the
   estimator's noise); one is picked at random. ``temperature > 0`` instead samples with
