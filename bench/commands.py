@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from bench.capacity import Capacity, EngineShape, WorkloadShape, capacity, measure_shape
 from bench.harness import POLICIES, FleetConfig, Harness
+from bench.peers import INSTALL_HINT, missing
 from bench.workloads import (
     WORKLOADS,
     Workload,
@@ -86,6 +87,12 @@ class BenchSettings(LogSettings):
     router_args: tuple[str, ...] = setting(
         (), "extra flag for every router, repeatable (e.g. --router-args=--tie-epsilon-ms=2)"
     )
+    bypass: float = setting(
+        0.0, "share of the conversations sent straight to an engine, past every router"
+    )
+    restart_engine_at_s: float | None = setting(
+        None, "SIGKILL one engine this many simulated seconds into each pass and restart it"
+    )
 
     def __post_init__(self) -> None:
         names = self.policy_list
@@ -96,6 +103,10 @@ class BenchSettings(LogSettings):
             raise ConfigError("load must be in (0, 10]")
         if self.routers < 1 or (self.embedded and self.routers != 1):
             raise ConfigError("routers must be >= 1 (exactly 1 when embedded)")
+        if not 0 <= self.bypass < 1:
+            raise ConfigError("bypass must be in [0, 1)")
+        if self.restart_engine_at_s is not None and self.restart_engine_at_s < 0:
+            raise ConfigError("restart-engine-at-s must be >= 0")
 
     @property
     def policy_list(self) -> tuple[str, ...]:
@@ -186,6 +197,9 @@ def plan(settings: BenchSettings) -> Plan:
         time_scale=settings.time_scale or (2.0 if quick else 20.0),
         num_blocks=settings.num_blocks or (512 if quick else 4096),
         router_args=settings.router_args,
+        bypass_share=settings.bypass,
+        restart_engine_at_s=settings.restart_engine_at_s,
+        seed=settings.seed,
     )
     workload = build_workload(settings)
     shape = measure_shape(workload, fleet.block_size, Tokenizer.builtin())
@@ -207,6 +221,15 @@ def run(settings: BenchSettings) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     chosen = plan(settings)
     console = Console()
+    absent = missing(chosen.policies)
+    if absent:
+        packages = ", ".join(sorted(set(absent.values())))
+        console.stage(f"skipping {', '.join(absent)}: {packages} not installed ({INSTALL_HINT})")
+        chosen = dataclasses.replace(
+            chosen, policies=tuple(p for p in chosen.policies if p not in absent)
+        )
+        if not chosen.policies:
+            return 1
     console.plan(chosen)
     runs = Harness(chosen.fleet, chosen.workload, chosen.policies, console).run()
     return console.finish(

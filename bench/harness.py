@@ -14,6 +14,13 @@ each policy the harness
    :class:`~bench.loadgen.Result` per request.
 
 So every policy starts cold, with the same fleet, the same arrivals and the same proxy path.
+The real peer routers (:mod:`bench.peers`: ``vllm-kv``, ``vllm-cache``, ``smg``) are arms
+too: for their pass the kvrouter routers are stopped and the peer's own instances started on
+the same ports (behind the same haproxy when there are several), in front of the same engines.
+
+Scenario knobs of a run (:class:`FleetConfig`): a share of the conversations sent straight to
+the engines past every router (``bypass_share``), and one engine SIGKILLed and restarted
+empty a given time into each pass (``restart_engine_at_s``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any, Final
 import httpx
 
 from bench.loadgen import LoadGenerator, Result
+from bench.peers import PEERS, PeerArm, Worker, executable
 from bench.stack import LocalStack, StackConfig, StackError
 from bench.workloads import Workload
 
@@ -40,7 +48,7 @@ POLICY_FLAGS: Final = {
     "kvrouter": "ttft",
     "oracle": "oracle",
 }
-POLICIES: Final = tuple(POLICY_FLAGS)
+POLICIES: Final = (*POLICY_FLAGS, *PEERS)
 # Real-time router guards sized for a shared benchmark machine, where the router's event loop
 # and Redis are descheduled for tens of ms at a time (docs/benchmarks.md); deployments keep
 # the defaults (10 ms index budget, 1 s connect timeout). Later --router-args win.
@@ -64,6 +72,9 @@ class FleetConfig:
     router_args: tuple[str, ...] = ()
     replica_args: tuple[str, ...] = ()
     workdir: Path | None = None
+    bypass_share: float = 0.0
+    restart_engine_at_s: float | None = None
+    seed: int = 1
 
     def stack(self) -> StackConfig:
         return StackConfig(
@@ -77,8 +88,11 @@ class FleetConfig:
             time_scale=self.time_scale,
             max_num_batched_tokens=self.max_num_batched_tokens,
             router_args=(*BENCH_ROUTER_ARGS, *self.router_args),
-            replica_args=self.replica_args,
+            # vllm-router replays only from the 4-frame layout (kvrouter reads both)
+            replica_args=("--replay-layout", "topic", *self.replica_args),
             workdir=self.workdir,
+            # one process per engine, so that one engine can be restarted alone
+            replica_processes=self.restart_engine_at_s is not None,
         )
 
 
@@ -92,6 +106,7 @@ class PolicyRun:
     started_at: float = field(default_factory=time.time)
     router_stats: dict[str, float] = field(default_factory=dict)
     engine_stats: dict[str, float] = field(default_factory=dict)
+    engine_requests: dict[str, int] = field(default_factory=dict)
 
 
 class Hooks:
@@ -125,9 +140,9 @@ class Harness:
         policies: tuple[str, ...],
         hooks: Hooks | None = None,
     ) -> None:
-        unknown = [p for p in policies if p not in POLICY_FLAGS]
+        unknown = [p for p in policies if p not in POLICIES]
         if unknown:
-            raise ValueError(f"unknown policies {unknown}; known: {list(POLICY_FLAGS)}")
+            raise ValueError(f"unknown policies {unknown}; known: {list(POLICIES)}")
         self.fleet = fleet
         self.workload = workload
         self.policies = policies
@@ -135,6 +150,7 @@ class Harness:
         self.stack = LocalStack(fleet.stack())
         self._last_end = 0.0
         self._last_policy = ""
+        self._peers: list[str] = []
 
     def run(self) -> list[PolicyRun]:
         """Start the fleet, run every policy, stop the fleet (also on SIGTERM or Ctrl-C)."""
@@ -163,18 +179,45 @@ class Harness:
             self.stack.entry_url,
             time_scale=self.fleet.time_scale,
             on_result=lambda r: self.hooks.result(policy, r),
+            bypass_urls=self.stack.replica_urls,
+            bypass_share=self.fleet.bypass_share,
+            seed=self.fleet.seed,
         )
         before = asyncio.run(self._engine_counters())
+        served = asyncio.run(self._engine_requests())
         started = time.monotonic()
-        results = asyncio.run(generator.run(self.workload))
+        results = asyncio.run(self._replay(generator))
         self._last_end = time.monotonic()
         self._last_policy = policy
         run = PolicyRun(policy, results, self._last_end - started)
-        run.router_stats = asyncio.run(self._router_stats())
+        if policy not in PEERS:
+            run.router_stats = asyncio.run(self._router_stats())
         after = asyncio.run(self._engine_counters())
         run.engine_stats = {k: after[k] - before.get(k, 0.0) for k in after}
+        now = asyncio.run(self._engine_requests())
+        run.engine_requests = {k: int(now[k] - served.get(k, 0)) for k in now}
         self.hooks.policy_done(run)
         return run
+
+    async def _replay(self, generator: LoadGenerator) -> list[Result]:
+        """The workload through ``generator``, with the engine restart when one is set."""
+        at_s = self.fleet.restart_engine_at_s
+        if at_s is None:
+            return await generator.run(self.workload)
+        restart = asyncio.create_task(self._restart_engine(at_s * self.fleet.time_scale))
+        try:
+            return await generator.run(self.workload)
+        finally:
+            await restart
+
+    async def _restart_engine(self, delay_s: float) -> None:
+        """SIGKILL the second engine (the first if there is one) ``delay_s`` into the pass and
+        start it again: it comes back empty, with a new instance id."""
+        await asyncio.sleep(delay_s)
+        name = f"replica-{min(1, self.fleet.replicas - 1)}"
+        self.hooks.stage(f"restarting {name} (SIGKILL)")
+        await asyncio.to_thread(self.stack.kill, name)
+        await asyncio.to_thread(self.stack.restart, name)
 
     # ------------------------------------------------------------------ steps
 
@@ -182,9 +225,36 @@ class Harness:
         return [name for name in self.stack.names() if name.startswith("router-")]
 
     def _switch(self, policy: str) -> None:
+        for name in self._peers:
+            self.stack.retire(name)
+        self._peers = []
         for name in self._routers():
             self.stack.kill(name, signal.SIGTERM)
+        if policy in PEERS:
+            self._start_peers(PEERS[policy])
+            return
+        for name in self._routers():
             self.stack.restart(name, extra_args=("--policy", POLICY_FLAGS[policy]))
+
+    def _start_peers(self, arm: PeerArm) -> None:
+        """The peer's own instances on the routers' ports (each its own metrics port)."""
+        binary = executable(arm.binary)
+        if binary is None:
+            raise StackError(f"{arm.name}: {arm.binary} is not installed ({arm.package})")
+        workers = [Worker(url, events, replay) for url, events, replay in self.stack.endpoints()]
+        ports = zip(self.stack.router_ports, self.stack.spare_ports, strict=True)
+        for i, (port, metrics_port) in enumerate(ports):
+            name = f"peer-{i}"
+            argv = arm.argv(
+                binary,
+                port=port,
+                metrics_port=metrics_port,
+                workers=workers,
+                block_size=self.fleet.block_size,
+                model=self.stack.config.model,
+            )
+            self._peers.append(name)
+            self.stack.spawn(name, argv, f"http://127.0.0.1:{port}{arm.ready_path}")
 
     async def _reset_caches(self) -> None:
         async with httpx.AsyncClient(timeout=30.0) as client:
@@ -211,9 +281,13 @@ class Harness:
         urls = [f"http://127.0.0.1:{port}" for port in self.stack.router_ports]
         async with httpx.AsyncClient(timeout=5.0) as client:
             while True:
-                ready = [await self._healthy(client, url) >= want for url in urls]
+                if self._peers:  # their readiness was checked at start; haproxy must see them
+                    ready = [await self._answers(client, url) for url in urls]
+                    entry = want if await self._answers(client, self.stack.entry_url) else -1
+                else:
+                    ready = [await self._healthy(client, url) >= want for url in urls]
+                    entry = await self._healthy(client, self.stack.entry_url)
                 blocks = await self._indexed_blocks(client)
-                entry = await self._healthy(client, self.stack.entry_url)
                 if all(ready) and entry >= want and blocks == 0:
                     return
                 if time.monotonic() > deadline:
@@ -231,6 +305,14 @@ class Harness:
             "vllm:prefix_cache_hits_total": "prefix_cache_hits",
         }
         return await self._scrape(self.stack.replica_urls, wanted)
+
+    async def _engine_requests(self) -> dict[str, float]:
+        """Requests each engine finished so far (``vllm:request_success``), by engine id."""
+        out = {}
+        for replica, url in zip(self.stack.replica_ids, self.stack.replica_urls, strict=True):
+            counts = await self._scrape([url], {"vllm:request_success_total": "done"})
+            out[replica] = counts["done"]
+        return out
 
     async def _scrape(self, urls: list[str], wanted: dict[str, str]) -> dict[str, float]:
         stats = dict.fromkeys(wanted.values(), 0.0)
@@ -265,6 +347,12 @@ class Harness:
             if raw[f"_{stage}_count"]:
                 stats[f"stage_{stage}_ms"] = 1000 * raw[f"_{stage}_sum"] / raw[f"_{stage}_count"]
         return stats
+
+    @staticmethod
+    async def _answers(client: httpx.AsyncClient, url: str) -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return (await client.get(f"{url}/health")).status_code == 200
+        return False
 
     @staticmethod
     async def _healthy(client: httpx.AsyncClient, url: str) -> int:

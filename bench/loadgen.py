@@ -3,17 +3,23 @@
 Every request streams (``stream_options.include_usage``) and records, in real seconds: when
 it was sent, its first content chunk (TTFT) and its end (E2E); and from the answer: the
 prompt, cached (``usage.prompt_tokens_details.cached_tokens``, the engine's real prefix
-reuse) and output token counts, the replica that served it (``x-kvrouter-replica``) and the
-router's decision time (``x-kvrouter-decision-ms``). Conversations start at their arrival
+reuse) and output token counts, the engine that served it (the simulated engine's
+``x-kvrouter-engine``, else kvrouter's ``x-kvrouter-replica``; peer routers drop both) and
+the router's decision time (``x-kvrouter-decision-ms``). Conversations start at their arrival
 time (simulated seconds times the time scale); a later turn is sent ``think_s`` after the
 previous answer ended and carries the whole history, the real answer included.
+
+Outside traffic: with ``bypass_share`` > 0 that share of the conversations (drawn by seed, so
+the same ones for every policy) goes straight to one engine each (drawn likewise), past every
+router, as a client that knows its engine would.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -23,6 +29,7 @@ import msgspec
 from bench.workloads import Conversation, Workload, messages
 
 REPLICA_HEADER: Final = "x-kvrouter-replica"
+ENGINE_HEADER: Final = "x-kvrouter-engine"
 DECISION_HEADER: Final = "x-kvrouter-decision-ms"
 MODEL: Final = "default"
 _decode = msgspec.json.Decoder().decode
@@ -44,6 +51,7 @@ class Result:
     replica: str = ""
     decision_ms: float | None = None
     error: str | None = None
+    bypass: bool = False
 
     @property
     def ok(self) -> bool:
@@ -78,6 +86,7 @@ class LoadGenerator:
 
     :param time_scale: real seconds per simulated second (the engines' ``--time-scale``).
     :param on_result: called after each request (progress bars).
+    :param bypass_urls: / :param bypass_share: outside traffic (module docstring).
     """
 
     def __init__(
@@ -87,17 +96,36 @@ class LoadGenerator:
         time_scale: float,
         on_result: Callable[[Result], None] | None = None,
         timeout_s: float = 3600.0,
+        bypass_urls: Sequence[str] = (),
+        bypass_share: float = 0.0,
+        seed: int = 1,
     ) -> None:
+        if not 0.0 <= bypass_share <= 1.0:
+            raise ValueError(f"bypass_share must be in [0, 1], got {bypass_share}")
+        if bypass_share and not bypass_urls:
+            raise ValueError("bypass_share needs bypass_urls")
         self.url = url
         self.time_scale = time_scale
         self.on_result = on_result
         self.timeout_s = timeout_s
+        self.bypass_urls = list(bypass_urls)
+        self.bypass_share = bypass_share
+        self.seed = seed
         self._started = 0.0
+
+    def target(self, conversation: Conversation) -> str | None:
+        """The engine a bypassing conversation goes to, or None (through the router)."""
+        if not self.bypass_share:
+            return None
+        rng = random.Random(f"bypass:{self.seed}:{conversation.id}")
+        if rng.random() >= self.bypass_share:
+            return None
+        return self.bypass_urls[rng.randrange(len(self.bypass_urls))]
 
     async def run(self, workload: Workload) -> list[Result]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         timeout = httpx.Timeout(self.timeout_s, connect=30.0)
-        async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout) as client:
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             self._started = time.monotonic()
             batches = await asyncio.gather(
                 *(self._conversation(client, c) for c in workload.conversations)
@@ -113,12 +141,13 @@ class LoadGenerator:
         self, client: httpx.AsyncClient, conversation: Conversation
     ) -> list[Result]:
         await self._sleep_until(conversation.start_s * self.time_scale)
+        engine = self.target(conversation)
         answers: list[str] = []
         results = []
         for turn in range(len(conversation.turns)):
             if turn:
                 await asyncio.sleep(conversation.think_s[turn - 1] * self.time_scale)
-            result, answer = await self._send(client, conversation, turn, answers)
+            result, answer = await self._send(client, conversation, turn, answers, engine)
             answers.append(answer)
             results.append(result)
             if self.on_result is not None:
@@ -139,17 +168,25 @@ class LoadGenerator:
         return {**common, "messages": messages(conversation, turn, answers)}
 
     async def _send(
-        self, client: httpx.AsyncClient, conversation: Conversation, turn: int, answers: list[str]
+        self,
+        client: httpx.AsyncClient,
+        conversation: Conversation,
+        turn: int,
+        answers: list[str],
+        engine: str | None,
     ) -> tuple[Result, str]:
         path = "/v1/completions" if conversation.raw else "/v1/chat/completions"
         body = self._body(conversation, turn, answers)
         want_text = turn + 1 < len(conversation.turns)
         sent = time.monotonic()
-        result = Result(conversation.id, turn, conversation.group, sent - self._started)
+        result = Result(
+            conversation.id, turn, conversation.group, sent - self._started, bypass=bool(engine)
+        )
         chunks: list[bytes] = []
         try:
-            async with client.stream("POST", path, json=body) as response:
-                result.replica = response.headers.get(REPLICA_HEADER, "")
+            async with client.stream("POST", (engine or self.url) + path, json=body) as response:
+                headers = response.headers
+                result.replica = headers.get(ENGINE_HEADER) or headers.get(REPLICA_HEADER, "")
                 decision = response.headers.get(DECISION_HEADER)
                 result.decision_ms = float(decision) if decision else None
                 if response.status_code != 200:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import PolicyRun
+from bench.loadgen import Result
 
 LATENCY_KEYS = ("p50", "p95", "p99", "mean")
 
@@ -45,11 +46,18 @@ def _spread(values: Sequence[float]) -> dict[str, float]:
     return out
 
 
-def latencies_ms(run: PolicyRun, time_scale: float, which: str) -> list[float]:
-    """Simulated ms of every successful request's TTFT (``"ttft"``) or end-to-end time."""
+def latencies_ms(
+    run: PolicyRun, time_scale: float, which: str, *, bypass: bool = False
+) -> list[float]:
+    """Simulated ms of every successful routed request's TTFT (``"ttft"``) or end-to-end time.
+
+    :param bypass: those of the requests that went past the routers instead.
+    """
     out = []
     net = run.policy == "oracle"
     for r in run.results:
+        if r.bypass != bypass:
+            continue
         seconds = r.ttft_s if which == "ttft" else r.e2e_s
         if not r.ok or seconds is None:
             continue
@@ -82,16 +90,45 @@ class Summary:
     engine_stats: dict[str, float] = field(default_factory=dict)
     vs_round_robin: dict[str, float] = field(default_factory=dict)
     vs_oracle: dict[str, float] = field(default_factory=dict)
+    engines_per_group: float = math.nan
+    bypass: dict[str, float] = field(default_factory=dict)
+
+
+def _per_replica(run: PolicyRun, routed: Sequence[Result], ok: Sequence[Result]) -> Counter[str]:
+    """Routed requests per engine: from the answers' engine header, or (peer routers drop
+    it) from the engines' own request counters less the outside traffic."""
+    named = Counter(r.replica for r in routed if r.replica)
+    if sum(named.values()) == len(routed) or not run.engine_requests:
+        return named
+    outside = Counter(r.replica for r in ok if r.bypass)
+    return Counter(
+        {k: v - outside.get(k, 0) for k, v in run.engine_requests.items() if v > outside.get(k, 0)}
+    )
+
+
+def engines_per_group(routed: Sequence[Result]) -> float:
+    """Mean number of engines each prefix group's routed requests went to (NaN: unknown)."""
+    engines: dict[int, set[str]] = {}
+    for r in routed:
+        if r.group < 0:
+            continue
+        if not r.replica:
+            return math.nan
+        engines.setdefault(r.group, set()).add(r.replica)
+    return statistics.fmean(len(v) for v in engines.values()) if engines else math.nan
 
 
 def summarize(run: PolicyRun, time_scale: float) -> Summary:
     """Aggregate one policy's results; latencies in simulated ms.
 
-    The oracle's TTFTs are net of its own decision time: no real engine can be probed, and
-    a bound should not pay for the simulation's HTTP round trips (its decision time is
-    still reported).
+    Everything is over the requests that went through the router(s); outside traffic (the
+    bypass scenario) is summarized apart in ``bypass``. The oracle's TTFTs are net of its own
+    decision time: no real engine can be probed, and a bound should not pay for the
+    simulation's HTTP round trips (its decision time is still reported).
     """
-    ok = [r for r in run.results if r.ok]
+    done = [r for r in run.results if r.ok]
+    ok = [r for r in done if not r.bypass]
+    outside = [r for r in done if r.bypass]
     ttft = latencies_ms(run, time_scale, "ttft")
     e2e = latencies_ms(run, time_scale, "e2e")
     prompt = sum(r.prompt_tokens for r in ok)
@@ -104,10 +141,24 @@ def summarize(run: PolicyRun, time_scale: float) -> Summary:
     else:
         makespan = math.nan
     decisions = [r.decision_ms for r in ok if r.decision_ms is not None]
+    bypass: dict[str, float] = {}
+    if any(r.bypass for r in run.results):
+        prompt_out = sum(r.prompt_tokens for r in outside)
+        bypass = {
+            "requests": float(sum(r.bypass for r in run.results)),
+            "hit_rate": sum(r.cached_tokens for r in outside) / prompt_out
+            if prompt_out
+            else math.nan,
+            **{
+                f"ttft_{k}": v
+                for k, v in _spread(latencies_ms(run, time_scale, "ttft", bypass=True)).items()
+            },
+        }
+    routed = [r for r in run.results if not r.bypass]
     return Summary(
         policy=run.policy,
-        requests=len(run.results),
-        errors=len(run.results) - len(ok),
+        requests=len(routed),
+        errors=len(routed) - len(ok),
         ttft_ms=_spread(ttft),
         e2e_ms=_spread(e2e),
         output_tokens_per_s=output / makespan if makespan and makespan > 0 else math.nan,
@@ -115,12 +166,14 @@ def summarize(run: PolicyRun, time_scale: float) -> Summary:
         prompt_tokens=prompt,
         cached_tokens=cached,
         output_tokens=output,
-        per_replica=dict(sorted(Counter(r.replica for r in ok).items())),
+        per_replica=dict(sorted(_per_replica(run, ok, done).items())),
         decision_ms=_spread(decisions),
         makespan_s=makespan,
         wall_s=run.wall_s,
         router_stats=dict(run.router_stats),
         engine_stats=dict(run.engine_stats),
+        engines_per_group=engines_per_group(ok),
+        bypass=bypass,
     )
 
 
@@ -259,6 +312,7 @@ def rows(summaries: dict[str, Summary]) -> tuple[list[str], list[list[str]]]:
         "out tok/s",
         "hit rate",
         "req/replica min-max",
+        "engines/group",
         "decision ms p50/p99",
         "p50 vs RR",
         "p99 vs RR",
@@ -279,6 +333,7 @@ def rows(summaries: dict[str, Summary]) -> tuple[list[str], list[list[str]]]:
                 _fmt(s.output_tokens_per_s),
                 "-" if math.isnan(s.hit_rate) else f"{s.hit_rate:.1%}",
                 f"{min(counts)}-{max(counts)}" if counts else "-",
+                _fmt(s.engines_per_group, 2),
                 f"{_fmt(s.decision_ms['p50'], 2)} / {_fmt(s.decision_ms['p99'], 2)}",
                 _x(s.vs_round_robin.get("ttft_p50")),
                 _x(s.vs_round_robin.get("ttft_p99")),

@@ -117,7 +117,7 @@ class LocalStack:
         self.workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="kvrouter-stack-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         n = cfg.replicas
-        base = port_block(4 + 3 * n + cfg.routers)
+        base = port_block(4 + 3 * n + 2 * cfg.routers)
         self.redis_port = base
         self.haproxy_port = base + 1
         self.tracker_port = base + 2
@@ -125,6 +125,8 @@ class LocalStack:
         self.events_port = self.replica_port + n
         self.replay_port = self.events_port + n
         self.router_ports = [self.replay_port + n + i for i in range(cfg.routers)]
+        # spare ports beside each router's, for what replaces it (a peer's metrics server)
+        self.spare_ports = [p + cfg.routers for p in self.router_ports]
         self._procs: dict[str, _Proc] = {}
 
     # ------------------------------------------------------------------ addresses
@@ -377,6 +379,43 @@ class LocalStack:
                     return
             time.sleep(0.1)
         raise StackError(f"{proc.name} not healthy at {url} within {timeout_s}s")
+
+    def spawn(
+        self, name: str, argv: list[str], health: str | None, timeout_s: float = 60.0
+    ) -> None:
+        """Start one more process under the stack's control (stopped with it) and wait for
+        ``health`` to answer 200; e.g. a peer router on a router's port (the benchmark)."""
+        if name in self._procs:
+            self.retire(name)
+        self._add(name, argv, health)
+        proc = self._procs[name]
+        self._launch(proc)
+        self._wait(proc, timeout_s)
+
+    def retire(self, name: str, timeout_s: float = 15.0) -> int | None:
+        """Stop a process started with :meth:`spawn` (SIGTERM, then SIGKILL) and forget it."""
+        proc = self._procs.pop(name)
+        popen = proc.popen
+        if popen is not None and popen.poll() is None:
+            popen.terminate()
+            try:
+                popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait()
+        proc.log.close()
+        return None if popen is None else popen.returncode
+
+    def endpoints(self) -> list[tuple[str, str, str]]:
+        """Per engine, in port order: HTTP URL, event (PUB) and replay endpoints to connect to."""
+        return [
+            (
+                url,
+                f"tcp://127.0.0.1:{self.events_port + i}",
+                f"tcp://127.0.0.1:{self.replay_port + i}",
+            )
+            for i, url in enumerate(self.replica_urls)
+        ]
 
     def pid(self, name: str) -> int | None:
         proc = self._procs.get(name)

@@ -154,6 +154,7 @@ class FleetService:
             model=s.model,
             registry=CollectorRegistry(),
             max_body_bytes=s.max_body_bytes,
+            engine_id=replica_id,
         )
         app.router.routes.extend(debug_routes(engine, publisher, model=s.model, faults=s.faults))
         server = HTTPServer(app, sock, shutdown_timeout_s=s.shutdown_timeout_s)

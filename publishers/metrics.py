@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -79,10 +79,20 @@ class ServerMetrics:
         *,
         model: str,
         engine_index: int = 0,
+        cache_config: dict[str, str] | None = None,
     ) -> None:
+        """:param cache_config: labels of ``vllm:cache_config_info`` (``num_gpu_blocks``...)."""
         labels = (model, str(engine_index))
         registry.register(_EngineStatsCollector(stats, labels))
         self._labels = labels
+        if cache_config is not None:
+            info = Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                [*LABELS, *cache_config],
+                registry=registry,
+            )
+            info.labels(*labels, *cache_config.values()).set(1)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",

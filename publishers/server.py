@@ -402,6 +402,7 @@ def create_app(
     registry: CollectorRegistry,
     max_model_len: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    engine_id: str | None = None,
 ) -> Starlette:
     """The OpenAI-compatible app around a started ``engine``.
 
@@ -410,13 +411,22 @@ def create_app(
     :param registry: where the vLLM-named metrics are registered (served on ``/metrics``).
     :param max_model_len: longest prompt + output; default (and upper bound): the engine's.
     :param max_body_bytes: larger request bodies are refused (413) before anything reads them.
+    :param engine_id: named in every response's ``X-Kvrouter-Engine`` header (benchmarks).
     """
     config = engine.config
     # the engine's own limit (its max_model_len, at most its KV cache) always applies
     engine_limit = config.max_model_len or config.num_blocks * config.block_size
     limit = min(max_model_len, engine_limit) if max_model_len else engine_limit
     recorder = ServerMetrics(
-        registry, engine.stats, model=model, engine_index=config.data_parallel_rank
+        registry,
+        engine.stats,
+        model=model,
+        engine_index=config.data_parallel_rank,
+        cache_config={
+            "block_size": str(config.block_size),
+            "num_gpu_blocks": str(config.num_blocks),
+            "enable_prefix_caching": "True",
+        },
     )
     server = _Server(engine, tokenizer, model, limit, recorder)
 
@@ -445,5 +455,5 @@ def create_app(
         max_bytes=max_body_bytes,
         error=lambda message: msgspec.json.encode(wire.error_body(message, 413)),
     )
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, engine_id=engine_id)
     return app

@@ -16,11 +16,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 logger = logging.getLogger(__name__)
 
 
-class RequestIdMiddleware:
-    """Echo the client's ``X-Request-Id`` (or a fresh one) on every response."""
+ENGINE_HEADER = "X-Kvrouter-Engine"
 
-    def __init__(self, app: ASGIApp) -> None:
+
+class RequestIdMiddleware:
+    """Echo the client's ``X-Request-Id`` (or a fresh one) on every response.
+
+    :param engine_id: also name the engine that answered (``X-Kvrouter-Engine``), so a
+        benchmark can tell which engine served a request whatever router sent it there
+        (simulation only: vLLM sends no such header).
+    """
+
+    def __init__(self, app: ASGIApp, *, engine_id: str | None = None) -> None:
         self.app = app
+        self.engine_id = engine_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -31,7 +40,10 @@ class RequestIdMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message).append("X-Request-Id", state["request_id"])
+                headers = MutableHeaders(scope=message)
+                headers.append("X-Request-Id", state["request_id"])
+                if self.engine_id is not None:
+                    headers.append(ENGINE_HEADER, self.engine_id)
             await send(message)
 
         await self.app(scope, receive, send_with_id)

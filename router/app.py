@@ -30,6 +30,7 @@ from router.config import RouterSettings
 from router.errors import AuthError, BadRequestError, RouterError, openai_error_body, status_of
 from router.estimator import SpeedBook
 from router.health import ReplicaMonitor
+from router.journal import DecisionJournal
 from router.load import Load, LoadBoard, LocalLoadBoard
 from router.metrics import MismatchDetector, RouterMetrics
 from router.placement import Placement, Placer, TokenizerBook
@@ -100,6 +101,7 @@ class Router:
             shared=self.shared,
             speeds=self.speeds,
             metrics=self.metrics,
+            journal=DecisionJournal(settings.decision_log) if settings.decision_log else None,
         )
         self.placer.baseline = make_baseline(
             settings,
@@ -171,8 +173,7 @@ class Router:
             logger.warning("index not reachable at start-up", extra={"error": str(exc)})
 
     def _forget_replica(self, replica: str) -> None:
-        """A replica left the registry: drop its speed estimate and its connection pool."""
-        self.speeds.forget(replica)
+        """A replica left the registry: drop its connection pool (speeds are per model)."""
         self.upstream.retire(replica)
 
     async def stop(self) -> None:
@@ -180,6 +181,8 @@ class Router:
         await self.shared.stop()
         await self.load.stop()
         await self.upstream.aclose()
+        if self.placer.journal is not None:
+            self.placer.journal.close()
 
     # ------------------------------------------------------------------ OpenAI routes
 
@@ -250,7 +253,7 @@ class Router:
 
     def _replica(self, replica: Replica, load: Any, now: float) -> dict[str, Any]:
         engine = replica.engine
-        speed = self.speeds.get(replica.id)
+        speed = self.speeds.get(replica.model)
         return {
             "id": replica.id,
             "url": replica.url,

@@ -13,14 +13,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from router.load import Load, LoadBoard
 from router.metrics import RouterMetrics
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
-from tracker.index import BlockIndex, Match
+from tracker.index import BlockIndex, Match, Residency
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class SharedView:
     matches: dict[str, Match]
     loads: dict[str, Load]
     fallback: str | None = None
+    residency: dict[str, Residency] = field(default_factory=dict)
 
 
 class GuardedIndex:
@@ -139,8 +140,8 @@ class GuardedIndex:
             return self._fallback(namespace, "breaker_open")
         try:
             async with asyncio.timeout(self.budget_s + self.per_block_s * len(keys)):
-                matches, loads = await asyncio.gather(
-                    self.index.lookup(namespace, keys), self.load.snapshot(namespace)
+                survey, loads = await asyncio.gather(
+                    self.index.survey(namespace, keys), self.load.snapshot(namespace)
                 )
         except TimeoutError:
             self.breaker.failure()
@@ -153,7 +154,7 @@ class GuardedIndex:
             self.breaker.abandon()
             raise
         self.breaker.success()
-        return SharedView(matches, loads)
+        return SharedView(survey.matches, loads, residency=survey.residency)
 
     async def loads(
         self, namespace: Namespace, timeout_s: float = 1.0

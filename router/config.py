@@ -89,6 +89,9 @@ class RouterSettings(LogSettings):
         1.5, "sglang policy: ... and max in flight above this multiple of min"
     )
     offload_hit_cost: float = setting(0.3, "cost of an offload-tier hit relative to recompute")
+    default_output_tokens: int = setting(
+        256, "KV memory a request without max_tokens is expected to grow by, in tokens"
+    )
     temperature: float = setting(0.0, "softmax temperature in ms (0: best score, random ties)")
     tie_epsilon_ms: float = setting(1.0, "expected TTFTs this close are a tie")
     miss_weight: float = setting(
@@ -129,6 +132,9 @@ class RouterSettings(LogSettings):
         0.9, "share of engine hits the router predicted none of that flags a mismatch"
     )
     shutdown_timeout_s: float = setting(30.0, "graceful drain budget for in-flight requests")
+    decision_log: str | None = setting(
+        None, "append every routing decision (candidates, matches, scores) as JSON lines here"
+    )
 
     def __post_init__(self) -> None:
         specs = [ReplicaSpec.parse(spec) for spec in self.replica]
@@ -170,6 +176,7 @@ class RouterSettings(LogSettings):
             "lookup_timeout_per_block_us",
             "seed_user_chars",
             "sglang_balance_abs_threshold",
+            "default_output_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 0")

@@ -27,19 +27,26 @@ logger = logging.getLogger(__name__)
 RUNNING: Final = "vllm:num_requests_running"
 WAITING: Final = "vllm:num_requests_waiting"
 KV_USAGE: Final = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-_WANTED: Final = (RUNNING, WAITING, *KV_USAGE)
+CACHE_CONFIG: Final = "vllm:cache_config_info"
+_WANTED: Final = (RUNNING, WAITING, *KV_USAGE, CACHE_CONFIG)
 _PARALLEL: Final = 64  # concurrent probes per pass
 
 
 def parse_engine_metrics(text: str, at: float) -> EngineLoad:
-    """Running and waiting requests (summed over engines) and the highest KV usage."""
+    """Running and waiting requests (summed over engines), the highest KV usage, and the KV
+    cache's size in blocks (``num_gpu_blocks`` of ``cache_config_info``, summed)."""
     lines = [line for line in text.splitlines() if line.startswith(_WANTED)]
     running: float | None = None
     waiting: float | None = None
     usage: float | None = None
+    blocks: int | None = None
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
-            if sample.name == RUNNING:
+            if sample.name == CACHE_CONFIG:
+                size = sample.labels.get("num_gpu_blocks", "")
+                if size.isdigit():
+                    blocks = (blocks or 0) + int(size)
+            elif sample.name == RUNNING:
                 running = (running or 0.0) + sample.value
             elif sample.name == WAITING:
                 waiting = (waiting or 0.0) + sample.value
@@ -50,6 +57,7 @@ def parse_engine_metrics(text: str, at: float) -> EngineLoad:
         None if waiting is None else round(waiting),
         usage,
         at,
+        blocks,
     )
 
 
@@ -191,6 +199,8 @@ class ReplicaMonitor:
             return
         try:
             replica.engine = parse_engine_metrics(text, time.monotonic())
+            if replica.engine.cache_blocks is not None:
+                replica.cache_blocks = replica.engine.cache_blocks
         except ValueError as exc:
             logger.debug("unparsable engine metrics", extra={"replica": replica.id, "error": exc})
 

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from router.baselines import Baseline, Choice
-from router.breaker import GuardedIndex
+from router.breaker import GuardedIndex, SharedView
+from router.churn import ChurnBook
 from router.config import RouterSettings, model_paths
 from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError
 from router.estimator import SpeedBook
+from router.journal import DecisionJournal
 from router.metrics import RouterMetrics
 from router.policy import Decision, PolicyConfig, ReplicaState, Score, decide
 from router.replicas import Replica, ReplicaSet
@@ -30,10 +32,11 @@ from router.requests import PromptRequest
 from router.tokenize import PromptTokenizer
 from tracker.blocks import Namespace, block_keys
 from tracker.errors import ConfigError
-from tracker.index import Match
+from tracker.index import Match, Residency
 from tracker.tokens import TokenizationError, Tokenizer, load_chat_template
 
 logger = logging.getLogger(__name__)
+_NOTHING = Residency(0, 0)
 
 
 class TokenizerBook:
@@ -124,15 +127,18 @@ class Placer:
         metrics: RouterMetrics,
         rng: random.Random | None = None,
         baseline: Baseline | None = None,
+        journal: DecisionJournal | None = None,
     ) -> None:
         self.settings = settings
         self.baseline = baseline
+        self.journal = journal
         self.replicas = replicas
         self.tokenizers = tokenizers
         self.shared = shared
         self.speeds = speeds
         self.metrics = metrics
         self.rng = rng or random.Random()
+        self.churn = ChurnBook()
         self._mixed: set[str] = set()
         self._policies: dict[int, PolicyConfig] = {}
 
@@ -221,12 +227,50 @@ class Placer:
         fallback = fallback or view.fallback
         looked_up = time.perf_counter()
         stages["lookup"] = looked_up - hashed
+        states = self._states(model, block_size, candidates, view)
+        policy = self._policies.get(block_size)
+        if policy is None:
+            policy = self._policies[block_size] = self.settings.policy_config(block_size)
+        output = request.max_tokens or self.settings.default_output_tokens
+        decision = decide(len(ids), states, policy, self.rng, output)
+        done = time.perf_counter()
+        stages["score"] = done - looked_up
+        stages["total"] = done - started
+        if not dry_run:
+            for stage, seconds in stages.items():
+                self.metrics.decision.labels(stage).observe(seconds)
+            if self.journal is not None:
+                self.journal.record(
+                    model=model,
+                    prompt_tokens=len(ids),
+                    keys=keys,
+                    matches=view.matches,
+                    states=states,
+                    decision=decision,
+                    fallback=fallback,
+                )
+        return Placement(model, namespace, len(ids), keys, view.matches, decision, fallback, stages)
+
+    def _states(
+        self, model: str, block_size: int, candidates: Sequence[Replica], view: SharedView
+    ) -> list[ReplicaState]:
+        """What the policy knows of each candidate: the index's answer, load, engine gauges."""
         now = time.monotonic()
-        states = []
+        speed = self.speeds.get(model)  # one estimate per model: see router.estimator
+        if view.residency:
+            self.churn.observe(view.residency)
+        churn = self.churn.relative(r.id for r in candidates)
+        states: list[ReplicaState] = []
         for replica in candidates:
             match = view.matches.get(replica.id) if replica.block_size == block_size else None
             load = view.loads.get(replica.id)
             engine = self.replicas.engine_load(replica, now)
+            # the index answered: a replica it has no count of holds nothing
+            resident = (
+                view.residency.get(replica.id, _NOTHING)
+                if view.fallback is None and replica.block_size == block_size
+                else None
+            )
             states.append(
                 ReplicaState(
                     replica.id,
@@ -237,20 +281,13 @@ class Placer:
                     engine_waiting=engine.waiting if engine else None,
                     engine_running=engine.running if engine else None,
                     kv_usage=engine.kv_usage if engine else None,
-                    speed=self.speeds.get(replica.id),
+                    speed=speed,
+                    cache_blocks=replica.cache_blocks,
+                    resident_blocks=resident.blocks if resident is not None else None,
+                    churn=churn[replica.id],
                 )
             )
-        policy = self._policies.get(block_size)
-        if policy is None:
-            policy = self._policies[block_size] = self.settings.policy_config(block_size)
-        decision = decide(len(ids), states, policy, self.rng)
-        done = time.perf_counter()
-        stages["score"] = done - looked_up
-        stages["total"] = done - started
-        if not dry_run:
-            for stage, seconds in stages.items():
-                self.metrics.decision.labels(stage).observe(seconds)
-        return Placement(model, namespace, len(ids), keys, view.matches, decision, fallback, stages)
+        return states
 
     async def _place_baseline(
         self,

@@ -82,6 +82,8 @@ from typing import Final, Literal
 
 Mode = Literal["ttft", "linear"]
 _LINEAR_TIE: Final = 1e-9
+MAX_CHURN: Final = 3.0  # relative churn is clipped: one noisy rate must not decide alone
+MAX_KV_USAGE: Final = 1.5  # past this projected usage the KV penalty stops growing
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,10 @@ class ReplicaState:
         vLLM ``/metrics`` (``num_requests_waiting``, ``num_requests_running``,
         ``kv_cache_usage_perc`` in 0..1); None when unknown.
     :param speed: the replica's prefill speed estimate.
+    :param cache_blocks: the replica's KV cache in blocks (vLLM ``cache_config_info``).
+    :param resident_blocks: blocks its KV events say its prefix cache holds now.
+    :param churn: how fast its cache turns over relative to the other candidates' (1: the
+        mean; from the rate its events store new blocks); None when unknown.
     """
 
     id: str
@@ -124,6 +130,9 @@ class ReplicaState:
     engine_running: int | None = None
     kv_usage: float | None = None
     speed: SpeedEstimate = DEFAULT_SPEED
+    cache_blocks: int | None = None
+    resident_blocks: int | None = None
+    churn: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +194,7 @@ class Score:
     expected_ttft_ms: float
     score: float
     work_tokens: float = 0.0
+    regret: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,8 +210,13 @@ class Decision:
         return next(s for s in self.scores if s.replica == self.replica)
 
 
-def score_replica(prompt_tokens: int, state: ReplicaState, config: PolicyConfig) -> Score:
-    """Expected TTFT and score of sending a ``prompt_tokens``-token prompt to ``state``."""
+def score_replica(
+    prompt_tokens: int, state: ReplicaState, config: PolicyConfig, output_tokens: int = 0
+) -> Score:
+    """Expected TTFT and score of sending a ``prompt_tokens``-token prompt to ``state``.
+
+    :param output_tokens: the most the request may generate (its KV memory grows to it).
+    """
     size = config.block_size
     usable = max(0, min(state.matched_blocks, (prompt_tokens - 1) // size))
     gpu = max(0, min(state.matched_gpu_blocks, usable)) * size
@@ -214,17 +229,21 @@ def score_replica(prompt_tokens: int, state: ReplicaState, config: PolicyConfig)
     queued = max(0, state.queued_prefill_tokens) + unseen
     active = max(state.inflight, (state.engine_running or 0) + waiting)
     queue_ms = speed.prefill_ms_per_token * queued + config.decode_ms_per_request * active
-    if state.kv_usage is not None and state.kv_usage > config.kv_high_watermark:
-        excess = min(state.kv_usage, 1.0) - config.kv_high_watermark
+    usage = projected_kv_usage(state, uncached + output_tokens, size)
+    if usage is not None and usage > config.kv_high_watermark:
+        excess = min(usage, MAX_KV_USAGE) - config.kv_high_watermark
         queue_ms += config.kv_full_penalty_ms * excess / (1.0 - config.kv_high_watermark)
 
     own_work = uncached + config.offload_hit_cost * offload
     prefill_ms = speed.prefill_ms(own_work)
     ttft = queue_ms + prefill_ms
+    regret = eviction_regret(state, uncached / size)
     if config.mode == "ttft":
-        # a miss also costs what the TTFT does not show: blocks of KV memory that evict other
-        # prefixes, and a second copy of a shared prefix that splits its later requests
-        value = -(ttft + (config.miss_weight - 1.0) * speed.prefill_ms_per_token * own_work)
+        # a miss also costs what the TTFT does not show: the blocks it writes push cached ones
+        # out (prefixes others will miss), and a second copy of a shared prefix splits its
+        # later requests; nothing when the cache has room, more where it turns over fastest
+        miss = (config.miss_weight - 1.0) * speed.prefill_ms_per_token * own_work * regret
+        value = -(ttft + miss)
     else:
         matched = (gpu + (1.0 - config.offload_hit_cost) * offload) / size
         value = config.hit_weight * matched - config.load_weight * state.inflight
@@ -239,7 +258,37 @@ def score_replica(prompt_tokens: int, state: ReplicaState, config: PolicyConfig)
         expected_ttft_ms=ttft,
         score=value,
         work_tokens=queued + own_work,
+        regret=regret,
     )
+
+
+def projected_kv_usage(state: ReplicaState, new_tokens: float, block_size: int) -> float | None:
+    """The replica's KV usage once this request holds its blocks (None: usage unknown).
+
+    The engine's own gauge (requests running now) plus the blocks this request will
+    allocate: its uncached prompt and its output. Without the cache's size only the gauge.
+    """
+    if state.kv_usage is None:
+        return None
+    if not state.cache_blocks:
+        return state.kv_usage
+    return state.kv_usage + new_tokens / block_size / state.cache_blocks
+
+
+def eviction_regret(state: ReplicaState, new_blocks: float) -> float:
+    """How much writing ``new_blocks`` on ``state``'s replica costs others, relative to the mean.
+
+    The share of the new blocks that will push a cached block out (none while the cache has
+    never-used room), times the replica's relative churn: where the cache turns over fast,
+    the blocks at the end of its LRU queue were used recently and will be missed; where it
+    is slow they are old. Unknown parts count as 1 (the mean: every miss evicts).
+    """
+    share = 1.0
+    if state.cache_blocks is not None and state.resident_blocks is not None and new_blocks > 0:
+        room = state.cache_blocks - state.resident_blocks
+        share = min(1.0, max(0.0, (new_blocks - room) / new_blocks))
+    churn = 1.0 if state.churn is None else min(max(state.churn, 0.0), MAX_CHURN)
+    return share * churn
 
 
 def decide(
@@ -247,6 +296,7 @@ def decide(
     candidates: Sequence[ReplicaState],
     config: PolicyConfig,
     rng: random.Random,
+    output_tokens: int = 0,
 ) -> Decision:
     """Score every candidate and pick one (best score; random among ties; or softmax).
 
@@ -254,7 +304,9 @@ def decide(
     """
     if not candidates:
         raise ValueError("no candidate replicas to choose from")
-    scores = tuple(score_replica(prompt_tokens, state, config) for state in candidates)
+    scores = tuple(
+        score_replica(prompt_tokens, state, config, output_tokens) for state in candidates
+    )
     values = [s.score for s in scores]
     if config.temperature > 0:
         index = _sample(values, config.temperature, rng)

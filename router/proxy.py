@@ -179,7 +179,7 @@ class _Attempt:
         self.lease.first_token()
         ttft = time.monotonic() - self.dispatched
         self.proxy.metrics.ttft.labels(self.replica.id).observe(ttft)
-        self.proxy.speeds.observe(self.replica.id, ttft * 1000, self.score.work_tokens)
+        self.proxy.speeds.observe(self.call.placement.model, ttft * 1000, self.score.work_tokens)
 
     def release(self) -> None:
         if self._timer is not None:

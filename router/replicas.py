@@ -30,6 +30,7 @@ class EngineLoad:
     waiting: int | None
     kv_usage: float | None
     at: float
+    cache_blocks: int | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class Replica:
     engine: EngineLoad | None = None
     ttl_s: float = 15.0
     missing_since: float | None = None
+    cache_blocks: int | None = None  # KV-cache size, from the engine's cache_config_info
 
     @property
     def namespace(self) -> Namespace:

@@ -46,6 +46,7 @@ class PromptRequest:
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
 
 
 def _typed(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
@@ -83,6 +84,15 @@ def _prompt(value: Any) -> tuple[str | list[int], int]:
     )
 
 
+def _output_limit(body: Mapping[str, Any]) -> int | None:
+    """The output limit asked for, if any (the engine, not the router, judges its value)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def parse(raw: bytes, endpoint: Endpoint) -> PromptRequest:
     """Decode and check ``raw``, the body of a request to ``endpoint``.
 
@@ -113,6 +123,7 @@ def parse(raw: bytes, endpoint: Endpoint) -> PromptRequest:
         "add_generation_prompt": True if add_generation is None else add_generation,
         "tools": tools,
         "template_kwargs": {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KEYS},
+        "max_tokens": _output_limit(body),
     }
     messages = body.get("messages")
     if endpoint == "index":

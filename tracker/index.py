@@ -39,6 +39,24 @@ class Match(msgspec.Struct, frozen=True):
         return self.blocks - self.gpu_blocks
 
 
+class Residency(msgspec.Struct, frozen=True):
+    """A replica's GPU prefix cache as its events tell it: blocks held now, stored ever.
+
+    ``stored`` only grows (until the index is rebuilt): its rate is the cache's churn, how
+    fast new blocks push old ones out once the cache is full.
+    """
+
+    blocks: int
+    stored: int
+
+
+class Survey(msgspec.Struct, frozen=True):
+    """One lookup's answer: every replica's cached run of the chain, and its residency."""
+
+    matches: dict[str, Match]
+    residency: dict[str, Residency]
+
+
 class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A registry entry: how to reach a replica and what it serves.
 
@@ -85,6 +103,9 @@ class BlockIndex(Protocol):
 
     async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
         """Per replica, the longest contiguous prefix of ``keys`` it holds (absent if none)."""
+
+    async def survey(self, namespace: Namespace, keys: Sequence[int]) -> Survey:
+        """:meth:`lookup` and every replica's :class:`Residency`, in one round trip."""
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
@@ -210,6 +231,7 @@ class MemoryIndex:
         self._registry: dict[str, ReplicaRecord] = {}
         self._seen: dict[str, float] = {}
         self._predictions: dict[Namespace, dict[int, dict[str, float]]] = {}
+        self._residency: dict[Namespace, dict[str, list[int]]] = {}
         self._sweep_at = 0.0
 
     def _ledger(self, replica: str, namespace: Namespace) -> ReplicaLedger:
@@ -220,9 +242,13 @@ class MemoryIndex:
         return ledger
 
     def _store(self, replica: str, namespace: Namespace, changes: LedgerChanges) -> None:
-        table = self._blocks.setdefault(namespace.base(), {})
+        base = namespace.base()
+        table = self._blocks.setdefault(base, {})
+        predictions = self._predictions.get(base)
+        counts = self._residency.setdefault(base, {}).setdefault(replica, [0, 0])
         for key, tiers in changes.placements.items():
             holders = table.get(key)
+            old = holders.get(replica, 0) if holders is not None else 0
             if tiers:
                 if holders is None:
                     holders = table[key] = {}
@@ -231,6 +257,13 @@ class MemoryIndex:
                 holders.pop(replica, None)
                 if not holders:
                     del table[key]
+            gained = (tiers & 1) - (old & 1)
+            counts[0] += gained
+            counts[1] += max(0, gained)
+            # the engine's word on a block ends this replica's prediction of it
+            entry = predictions.get(key) if predictions else None
+            if entry:
+                entry.pop(replica, None)
 
     async def apply(
         self, replica: str, namespace: Namespace, batch: EventBatch, seq: int | None = None
@@ -261,6 +294,11 @@ class MemoryIndex:
             return [r for r, expiry in entry.items() if expiry > now] if entry else []
 
         return walk(keys, self._blocks.get(namespace.base(), {}), predicted_of)
+
+    async def survey(self, namespace: Namespace, keys: Sequence[int]) -> Survey:
+        counts = self._residency.get(namespace.base(), {})
+        residency = {r: Residency(n, s) for r, (n, s) in counts.items()}
+        return Survey(await self.lookup(namespace, keys), residency)
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float

@@ -21,6 +21,12 @@ key                             type   content
 ``P:T:seq``                     HASH   replica id -> last applied event sequence number
 ``P:T:load``                    HASH   shared router load: ``replica NUL router id`` ->
                                        ``<ddd`` in flight, queued tokens, expiry ms
+``P:T:stats``                   HASH   per replica, from its events: ``n:<replica>`` ->
+                                       GPU blocks held now, ``s:<replica>`` -> GPU blocks
+                                       stored ever (the router derives cache churn)
+``P:T:plive``                   STRING set while any prediction may be live (expires
+                                       with the longest); spares the tracker's writes
+                                       the prediction check when there are none
 ``P:namespaces``                HASH   nsid -> JSON {model, block_size}
 ``P:{replicas}``                HASH   replica id -> JSON registry record
 ``P:{replicas}:seen``           HASH   replica id -> last heartbeat (Redis server time, ms)
@@ -66,12 +72,14 @@ class NamespaceKeys:
         "engine_prefix",
         "load",
         "nsid",
+        "plive",
         "prediction_prefix",
         "rid",
         "ridfree",
         "ridseq",
         "rname",
         "seq",
+        "stats",
         "tag",
     )
 
@@ -87,6 +95,13 @@ class NamespaceKeys:
         self.ridfree = f"{self.tag}:ridfree"
         self.seq = f"{self.tag}:seq"
         self.load = f"{self.tag}:load"
+        self.stats = f"{self.tag}:stats"
+        self.plive = f"{self.tag}:plive"
+
+    @staticmethod
+    def stats_fields(replica: str) -> tuple[str, str]:
+        """Fields of ``replica`` in :attr:`stats`: blocks held now, blocks stored ever."""
+        return f"n:{replica}", f"s:{replica}"
 
     def block_bucket(self, key: int) -> str:
         return f"{self.block_prefix}{key >> (64 - BLOCK_BUCKET_BITS):04x}"

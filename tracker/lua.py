@@ -60,20 +60,30 @@ if owner ~= replica then
   status = 1
 end
 local bprefix, eprefix = tag .. ':b:', tag .. ':e:' .. rid .. ':'
+local pprefix = tag .. ':p:'
 local hi = math.floor(rid / 64)
 local lo = (rid % 64) * 4
+-- the engine's word on a block ends this replica's prediction of it (stored: superseded;
+-- removed: wrong from now on); checked only while some prediction may be live
+local live = redis.call('EXISTS', tag .. ':plive') == 1
+local held, stored = 0, 0
 for i = 1, #places - 8, 9 do
   local f = string.sub(places, i, i + 7)
   local tiers = string.byte(places, i + 8)
   local key = block_bucket(bprefix, f)
   local v = redis.call('HGET', key, f)
+  local old = 0
   if not v then
     if tiers > 0 then redis.call('HSET', key, f, string.char(hi, lo + tiers)) end
   else
     local out = {}
     for j = 1, #v - 1, 2 do
       local b1, b2 = string.byte(v, j, j + 1)
-      if b1 ~= hi or b2 - (b2 % 4) ~= lo then out[#out + 1] = string.sub(v, j, j + 1) end
+      if b1 ~= hi or b2 - (b2 % 4) ~= lo then
+        out[#out + 1] = string.sub(v, j, j + 1)
+      else
+        old = b2 % 4
+      end
     end
     if tiers > 0 then out[#out + 1] = string.char(hi, lo + tiers) end
     if #out == 0 then
@@ -82,7 +92,28 @@ for i = 1, #places - 8, 9 do
       redis.call('HSET', key, f, table.concat(out))
     end
   end
+  local gained = tiers % 2 - old % 2
+  held = held + gained
+  if gained > 0 then stored = stored + 1 end
+  if live then
+    local pkey = block_bucket(pprefix, f)
+    local p = redis.call('HGET', pkey, f)
+    if p then
+      local keep = {}
+      for j = 1, #p - 7, 8 do
+        local b1, b2 = string.byte(p, j, j + 1)
+        if b1 * 256 + b2 ~= rid then keep[#keep + 1] = string.sub(p, j, j + 7) end
+      end
+      if #keep == 0 then
+        redis.call('HDEL', pkey, f)
+      elseif #keep * 8 < #p then
+        redis.call('HSET', pkey, f, table.concat(keep))
+      end
+    end
+  end
 end
+if held ~= 0 then redis.call('HINCRBY', tag .. ':stats', 'n:' .. replica, held) end
+if stored > 0 then redis.call('HINCRBY', tag .. ':stats', 's:' .. replica, stored) end
 for i = 1, #engine - 20, 21 do
   local f = string.sub(engine, i, i + 7)
   local key = engine_bucket(eprefix, f)
@@ -123,7 +154,8 @@ end
 """
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, n x 8-byte block key]
-# Returns a flat array [replica, matched blocks, matched GPU blocks, predicted blocks, ...].
+# Returns {matches, stats}: matches a flat array [replica, matched blocks, matched GPU blocks,
+# predicted blocks, ...]; stats the partition's whole stats hash (HGETALL), for every replica.
 # Phase 1 walks real placements. Consecutive blocks held by the same replicas carry identical
 # values (Lua strings are interned, so comparing them is O(1)); such runs are counted without
 # re-parsing entries. Phase 2 starts where no replica still matching holds the next block and
@@ -225,7 +257,8 @@ while i <= #chain - 7 do
   depth = depth + 1
   i = i + 8
 end
-if #order == 0 then return {} end
+local stats = redis.call('HGETALL', ARGV[1] .. ':stats')
+if #order == 0 then return {{}, stats} end
 local names = redis.call('HMGET', KEYS[1], unpack(order))
 local out = {}
 for k, rid in ipairs(order) do
@@ -236,7 +269,7 @@ for k, rid in ipairs(order) do
     out[#out + 1] = runs[rid][3]
   end
 end
-return out
+return {out, stats}
 """
 )
 
@@ -268,6 +301,8 @@ for i = 1, #chain - 7, 8 do
   redis.call('HSET', key, f, table.concat(out))
   if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
 end
+local plive = ARGV[1] .. ':plive'
+if redis.call('PTTL', plive) < ttl then redis.call('SET', plive, '1', 'PX', ttl) end
 return #chain / 8
 """
 )

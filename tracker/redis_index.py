@@ -32,7 +32,7 @@ from tracker import lua
 from tracker.blocks import Namespace
 from tracker.errors import ConfigError, IndexUnavailableError
 from tracker.events import EventBatch
-from tracker.index import ApplyResult, Match, ReplicaRecord
+from tracker.index import ApplyResult, Match, ReplicaRecord, Residency, Survey
 from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
 from tracker.settings import redact_url
 
@@ -315,6 +315,7 @@ class RedisIndex:
             "release",
             self._release_rid(keys=[nk.rid, nk.rname, nk.ridfree], args=[replica]),
         )
+        await self._call("stats", self.client.hdel(nk.stats, *nk.stats_fields(replica)))
         self._rids.pop((replica, base), None)
         self._ledgers.pop((replica, base), None)
         self._seqs.pop((replica, base), None)
@@ -329,17 +330,24 @@ class RedisIndex:
         return None if value is None else int(value)
 
     async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
-        if not keys:
-            return {}
+        return (await self.survey(namespace, keys)).matches
+
+    async def survey(self, namespace: Namespace, keys: Sequence[int]) -> Survey:
         nk = self.keys_for(namespace)
-        reply = await self._call(
+        # an empty chain still walks nothing and answers the residency
+        found, stats = await self._call(
             "lookup", self._lookup(keys=[nk.rname], args=[nk.tag, _chain(keys)])
         )
-        out: dict[str, Match] = {}
-        for i in range(0, len(reply), 4):
-            name = reply[i].decode()
-            out[name] = Match(name, int(reply[i + 1]), int(reply[i + 2]), int(reply[i + 3]))
-        return out
+        matches: dict[str, Match] = {}
+        for i in range(0, len(found), 4):
+            name = found[i].decode()
+            matches[name] = Match(name, int(found[i + 1]), int(found[i + 2]), int(found[i + 3]))
+        counts: dict[str, list[int]] = {}
+        for i in range(0, len(stats) - 1, 2):
+            kind, _, name = stats[i].decode().partition(":")
+            slot = 0 if kind == "n" else 1
+            counts.setdefault(name, [0, 0])[slot] = int(stats[i + 1])
+        return Survey(matches, {r: Residency(max(0, n), s) for r, (n, s) in counts.items()})
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float

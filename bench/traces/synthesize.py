@@ -1,4 +1,4 @@
-"""Write the bundled SYNTHETIC Mooncake-format trace: ``python -m bench.traces.synthesize``.
+"""Write the bundled SYNTHETIC Mooncake-format traces: ``python -m bench.traces.synthesize``.
 
 The real Mooncake traces (``kvcache-ai/Mooncake`` ``FAST25-release/traces/``) cannot be
 downloaded here; ``kvrouter bench --workload trace --trace FILE`` replays any of them. This
@@ -13,6 +13,19 @@ agent/chat traffic:
   new question (0-2 new blocks and a partial last block, whose id is always new);
 * outputs of 32-512 tokens (log-uniform); sessions start as a Poisson process and turns
   follow each other after 2-20 s of think time.
+
+``--profile conversation`` (:func:`conversations`, bundled as ``synthetic_conversation.jsonl``)
+is shaped like the statistics published for Mooncake's conversation trace: long chat
+sessions whose prompts are ~7k tokens at the median and ~12k on average, outputs of ~340
+tokens, a few requests per second, about a third of the prompt blocks shared (system prompts
+and the growing history of a session):
+
+* ``apps`` system prompts of 1-4 blocks with Zipf-like popularity;
+* a session's first turn adds a user document of log-normally many blocks (median 12, capped
+  at 120); each later turn resends the whole previous prompt, the previous answer (its own new
+  ids) and a question of 0-2 blocks;
+* turns per session geometric (mean 1.6), think time log-normal (median 20 s); outputs
+  log-normal (median 250, mean ~340 tokens, at most 2,000).
 """
 
 from __future__ import annotations
@@ -67,14 +80,94 @@ def synthesize(
     return records
 
 
+def conversations(
+    *, requests: int = 600, rate: float = 3.0, apps: int = 30, seed: int = 2026
+) -> list[dict[str, Any]]:
+    """A conversation-shaped trace of ``requests`` records at about ``rate`` per second."""
+    rng = random.Random(seed)
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    prompts = [fresh(rng.randint(1, 4)) for _ in range(apps)]
+    weights = [1.0 / (i + 1) for i in range(apps)]
+    turns_per_session = 1.6
+    horizon = 1.25 * requests / rate  # turns past the horizon are cut: start more sessions
+    records: list[dict[str, Any]] = []
+    start = 0.0
+    while start < horizon:
+        start += rng.expovariate(rate / turns_per_session)
+        at = start
+        document = min(120, max(1, round(rng.lognormvariate(math.log(12), 1.0))))
+        full = prompts[rng.choices(range(apps), weights)[0]] + fresh(document)
+        output = 0
+        turn = 0
+        while True:
+            if turn:
+                at += rng.lognormvariate(math.log(20.0), 0.8)
+                answer = fresh(max(1, math.ceil(output / BLOCK)))
+                full = full + answer + fresh(rng.randint(0, 2))
+            tail = rng.randint(1, BLOCK - 1)
+            output = min(2000, max(8, round(rng.lognormvariate(math.log(250), 0.8))))
+            records.append(
+                {
+                    "timestamp": round(at * 1000),
+                    "input_length": len(full) * BLOCK + tail,
+                    "output_length": output,
+                    "hash_ids": [*full, *fresh(1)],
+                }
+            )
+            turn += 1
+            if rng.random() < 1.0 / turns_per_session or at > horizon:
+                break
+    records.sort(key=lambda r: int(r["timestamp"]))
+    return [r for r in records if r["timestamp"] <= horizon * 1000][:requests]
+
+
+def describe(records: list[dict[str, Any]]) -> str:
+    """Median and mean prompt, mean output, rate and the share of blocks seen before."""
+    lengths = sorted(int(r["input_length"]) for r in records)
+    seen: set[int] = set()
+    reused = total = 0
+    for record in records:
+        ids = record["hash_ids"]
+        reused += sum(1 for h in ids if h in seen)
+        total += len(ids)
+        seen.update(ids)
+    span = (int(records[-1]["timestamp"]) - int(records[0]["timestamp"])) / 1000 or 1.0
+    mean_out = sum(int(r["output_length"]) for r in records) / len(records)
+    return (
+        f"{len(records)} requests, prompt median {lengths[len(lengths) // 2]:,} / mean "
+        f"{sum(lengths) / len(lengths):,.0f} tokens, output mean {mean_out:.0f}, "
+        f"{len(records) / span:.1f} req/s, {reused / total:.0%} of blocks seen before"
+    )
+
+
+CONVERSATION_OUT = Path(__file__).with_name("synthetic_conversation.jsonl")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--seed", type=int, default=2025)
+    parser.add_argument("--profile", choices=("sample", "conversation"), default="sample")
+    parser.add_argument("--out", type=Path, help="default: the bundled file of the profile")
+    parser.add_argument("--seed", type=int, help="default: the bundled file's")
+    parser.add_argument("--requests", type=int, default=600, help="conversation: records")
+    parser.add_argument("--rate", type=float, default=3.0, help="conversation: req/s")
     args = parser.parse_args()
-    records = synthesize(seed=args.seed)
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
-    print(f"wrote {len(records)} synthetic requests to {args.out}")
+    if args.profile == "conversation":
+        records = conversations(
+            requests=args.requests, rate=args.rate, seed=2026 if args.seed is None else args.seed
+        )
+        out = args.out or CONVERSATION_OUT
+    else:
+        records = synthesize(seed=2025 if args.seed is None else args.seed)
+        out = args.out or DEFAULT_OUT
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    print(f"wrote {out}: {describe(records)}")
     return 0
 
 

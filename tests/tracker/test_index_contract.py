@@ -343,6 +343,52 @@ async def test_real_events_supersede_predictions(index: BlockIndex) -> None:
     assert await predicted(index, SEQ) == {"a": (4, 4, 0)}
 
 
+async def test_an_eviction_cancels_the_prediction_of_that_block(index: BlockIndex) -> None:
+    keys = block_keys(SEQ, NS)
+    await index.predict(NS, "a", keys, ttl_s=30)
+    await put(index, "a", store(SEQ))
+    await put(index, "a", remove(SEQ, 3, 2))  # vLLM evicts a chain's tail first
+    # without the cancellation the walk would go on over blocks 2, 3 on their prediction
+    assert await predicted(index, SEQ) == {"a": (2, 2, 0)}
+    await put(index, "a", remove(SEQ, 1, 0))
+    assert await predicted(index, SEQ) == {}
+
+
+async def test_a_cleared_replica_loses_its_predictions_of_stored_blocks(
+    index: BlockIndex,
+) -> None:
+    keys = block_keys(SEQ, NS)
+    await index.predict(NS, "a", keys, ttl_s=30)
+    await index.predict(NS, "b", keys, ttl_s=30)
+    await put(index, "a", store(SEQ, range(3)))
+    await put(index, "a", AllBlocksCleared())
+    # block 3 was never stored: its prediction stands (the request may still be running)
+    assert await predicted(index, SEQ) == {"b": (4, 4, 4)}
+    await put(index, "b", store(SEQ), remove(SEQ, 3))
+    assert await predicted(index, SEQ) == {"b": (3, 3, 0)}
+
+
+async def test_residency_counts_held_and_stored_gpu_blocks(index: BlockIndex) -> None:
+    survey = await index.survey(NS, block_keys(SEQ, NS))
+    assert survey.residency == {}
+    await put(index, "a", store(SEQ), offload(SEQ, 0, 1))
+    await put(index, "b", store(SEQ, range(2)))
+    await put(index, "a", remove(SEQ, 3, 2), store(OTHER, range(1)))
+    survey = await index.survey(NS, block_keys(SEQ, NS))
+    assert {r: (m.blocks, m.gpu_blocks) for r, m in survey.matches.items()} == {
+        "a": (2, 2),
+        "b": (2, 2),
+    }
+    assert {r: (c.blocks, c.stored) for r, c in survey.residency.items()} == {
+        "a": (3, 5),
+        "b": (2, 2),
+    }
+    await put(index, "a", AllBlocksCleared())
+    survey = await index.survey(NS, [])
+    assert survey.matches == {}
+    assert (survey.residency["a"].blocks, survey.residency["a"].stored) == (0, 5)
+
+
 async def test_a_replica_that_stopped_matching_is_not_revived_by_predictions(
     index: BlockIndex,
 ) -> None:

@@ -1,0 +1,147 @@
+"""The real peer routers as benchmark arms: vllm-router (kv_aware, cache_aware) and SGLang's smg.
+
+Each arm is the peer's own binary, installed from PyPI (``pip install -e '.[peers]'``:
+``vllm-router==0.1.17``, ``sglang-router==0.3.2``), started as its own process(es) in front of
+the same simulated engines as kvrouter, on the ports kvrouter's routers use, so that the
+client (and haproxy, with several instances) reach them exactly as they reach kvrouter.
+A peer that is not installed is reported and skipped (:func:`missing`).
+
+What each needs, checked on those versions (``../shared/docs/peers-2026.md``):
+
+``vllm-kv`` — ``vllm-router --policy kv_aware``
+    consumes the engines' ZMQ KV events itself: map-era events (vLLM >= 0.24) with the empty
+    topic on a PUB socket the engine binds (it connects), replay over DEALER answered in the
+    4-frame layout ``[b"", topic, seq, payload]`` (``kvrouter replica --replay-layout
+    topic``); per worker ``--kv-event-source URL=tcp://…`` and ``--kv-event-replay-source
+    URL=tcp://…`` with URL byte-identical to its ``--worker-urls`` entry. It has no
+    tokenizer: every request is POSTed to every worker's ``/v1/chat/completions/render``.
+``vllm-cache`` — ``vllm-router --policy cache_aware``
+    an approximate token tree per worker, fed by the same render calls.
+``smg`` — ``smg launch --policy cache_aware``
+    SGLang's approximate text tree; ready when ``GET /readiness`` says so.
+
+Every instance gets its own Prometheus port; health is polled every second so a restarted
+engine comes back quickly.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """One engine as a peer sees it: its HTTP URL and (for kv_aware) its event endpoints."""
+
+    url: str
+    events: str
+    replay: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerArm:
+    """How to start one peer router instance.
+
+    :param binary: console script name (found next to this interpreter, else on PATH).
+    :param ready_path: answers 200 once the instance routes (``/readiness`` for smg).
+    """
+
+    name: str
+    binary: str
+    policy: str
+    ready_path: str
+    package: str
+    events: bool = False
+
+    def argv(
+        self,
+        executable: str,
+        *,
+        port: int,
+        metrics_port: int,
+        workers: Sequence[Worker],
+        block_size: int,
+        model: str,
+    ) -> list[str]:
+        """The command line of one instance listening on ``127.0.0.1:port``."""
+        urls = [w.url for w in workers]
+        if self.binary == "smg":
+            return [
+                executable,
+                "launch",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--worker-urls",
+                *urls,
+                "--policy",
+                self.policy,
+                "--prometheus-port",
+                str(metrics_port),
+                "--worker-startup-check-interval",
+                "1",
+                "--health-check-interval-secs",
+                "1",
+                "--log-level",
+                "warn",
+            ]
+        argv = [
+            executable,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            self.policy,
+            "--prometheus-port",
+            str(metrics_port),
+            "--worker-startup-check-interval",
+            "1",
+            "--health-check-interval-secs",
+            "1",
+            "--log-level",
+            "warning",
+        ]
+        if self.events:
+            for worker in workers:
+                argv += ["--kv-event-source", f"{worker.url}={worker.events}"]
+                if worker.replay is not None:
+                    argv += ["--kv-event-replay-source", f"{worker.url}={worker.replay}"]
+            argv += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
+        return argv
+
+
+PEERS: Final[dict[str, PeerArm]] = {
+    arm.name: arm
+    for arm in (
+        PeerArm("vllm-kv", "vllm-router", "kv_aware", "/health", "vllm-router", events=True),
+        PeerArm("vllm-cache", "vllm-router", "cache_aware", "/health", "vllm-router"),
+        PeerArm("smg", "smg", "cache_aware", "/readiness", "sglang-router"),
+    )
+}
+INSTALL_HINT: Final = "pip install -e '.[peers]'  (vllm-router==0.1.17, sglang-router==0.3.2)"
+
+
+def executable(binary: str) -> str | None:
+    """The peer's console script: beside this interpreter (its venv) first, then on PATH."""
+    beside = Path(sys.executable).parent / binary
+    if beside.exists():
+        return str(beside)
+    return shutil.which(binary)
+
+
+def missing(arms: Sequence[str]) -> dict[str, str]:
+    """The peer arms among ``arms`` whose binary is not installed, with the package to install."""
+    return {
+        name: PEERS[name].package
+        for name in arms
+        if name in PEERS and executable(PEERS[name].binary) is None
+    }

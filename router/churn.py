@@ -1,0 +1,96 @@
+"""How fast each replica's prefix cache turns over, from the index's count of stored blocks.
+
+The tracker counts, per replica, the GPU blocks its ``BlockStored`` events ever added
+(:class:`tracker.index.Residency`); every lookup returns the counts of every replica. The
+rate at which that count grows is the cache's churn: once the cache is full, each stored
+block pushes the least recently used one out. Churn is what the events know and a router
+cannot: it includes traffic from other routers and from clients that bypass every router.
+
+:class:`ChurnBook` turns the counts seen at lookups into a rate per replica (blocks per
+second, smoothed exponentially over ``half_life_s``) and compares replicas: ``relative``
+is a replica's rate over the mean of the candidates', 1 when they are alike or nothing is
+known yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Final
+
+from tracker.index import Residency
+
+_MIN_RATE: Final = 1e-9
+
+
+class _Rate:
+    __slots__ = ("at", "rate", "stored")
+
+    def __init__(self, at: float, stored: int) -> None:
+        self.at = at
+        self.stored = stored
+        self.rate: float | None = None
+
+
+class ChurnBook:
+    """Blocks stored per second per replica, from successive :class:`Residency` counts.
+
+    :param half_life_s: older rates weigh half as much every this many seconds.
+    :param min_interval_s: counts closer together than this are not differenced (noise).
+    """
+
+    def __init__(
+        self,
+        *,
+        half_life_s: float = 10.0,
+        min_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if half_life_s <= 0 or min_interval_s <= 0:
+            raise ValueError("half_life_s and min_interval_s must be > 0")
+        self.half_life_s = half_life_s
+        self.min_interval_s = min_interval_s
+        self.clock = clock
+        self._rates: dict[str, _Rate] = {}
+
+    def observe(self, residency: Mapping[str, Residency]) -> None:
+        """Take the counts of one lookup (cheap: most calls only compare a timestamp)."""
+        now = self.clock()
+        for replica, counts in residency.items():
+            entry = self._rates.get(replica)
+            if entry is None:
+                self._rates[replica] = _Rate(now, counts.stored)
+                continue
+            elapsed = now - entry.at
+            if elapsed < self.min_interval_s:
+                continue
+            grown = counts.stored - entry.stored
+            entry.at, entry.stored = now, counts.stored
+            if grown < 0:  # the index was rebuilt: start over
+                entry.rate = None
+                continue
+            current = grown / elapsed
+            if entry.rate is None:
+                entry.rate = current
+            else:
+                keep = 0.5 ** (elapsed / self.half_life_s)
+                entry.rate = keep * entry.rate + (1.0 - keep) * current
+
+    def rate(self, replica: str) -> float | None:
+        """Blocks per second the replica's cache stores (None until two counts were seen)."""
+        entry = self._rates.get(replica)
+        return None if entry is None else entry.rate
+
+    def relative(self, replicas: Iterable[str]) -> dict[str, float | None]:
+        """Each replica's rate over the mean of those known; None where unknown."""
+        rates = {r: self.rate(r) for r in replicas}
+        known = [v for v in rates.values() if v is not None]
+        if not known:
+            return dict.fromkeys(rates)
+        mean = sum(known) / len(known)
+        if mean <= _MIN_RATE:
+            return {r: (None if v is None else 1.0) for r, v in rates.items()}
+        return {r: (None if v is None else v / mean) for r, v in rates.items()}
+
+    def forget(self, replica: str) -> None:
+        self._rates.pop(replica, None)
