@@ -20,7 +20,7 @@ from router.load import Load, LoadBoard
 from router.metrics import RouterMetrics
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
-from tracker.index import BlockIndex, Match, Residency
+from tracker.index import BlockIndex, Home, Match, Residency
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class SharedView:
     loads: dict[str, Load]
     fallback: str | None = None
     residency: dict[str, Residency] = field(default_factory=dict)
+    homes: dict[str, Home] = field(default_factory=dict)
 
 
 class GuardedIndex:
@@ -154,7 +155,7 @@ class GuardedIndex:
             self.breaker.abandon()
             raise
         self.breaker.success()
-        return SharedView(survey.matches, loads, residency=survey.residency)
+        return SharedView(survey.matches, loads, residency=survey.residency, homes=survey.homes)
 
     async def loads(
         self, namespace: Namespace, timeout_s: float = 1.0
@@ -173,26 +174,46 @@ class GuardedIndex:
         return SharedView({}, self.load.local_snapshot(namespace), reason)
 
     def predict(
-        self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
+        self,
+        namespace: Namespace,
+        replica: str,
+        keys: Sequence[int],
+        ttl_s: float,
+        *,
+        anchors: Sequence[int] = (),
+        home_ttl_s: float = 0.0,
     ) -> None:
-        """Record in the background that ``replica`` is about to hold ``keys``."""
-        if not keys or ttl_s <= 0:
+        """Record in the background that ``replica`` is about to hold ``keys`` and is the
+        home of ``anchors`` (:meth:`tracker.index.BlockIndex.claim`)."""
+        keys = keys if ttl_s > 0 else ()
+        anchors = anchors if home_ttl_s > 0 else ()
+        if not keys and not anchors:
             return
         if self.breaker.state != "closed" or len(self._pending) >= MAX_PENDING_PREDICTIONS:
             self.metrics.predictions.labels("skipped").inc()
             return
         task = asyncio.get_running_loop().create_task(
-            self._predict(namespace, replica, list(keys), ttl_s)
+            self._predict(namespace, replica, (list(keys), ttl_s), (list(anchors), home_ttl_s))
         )
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
     async def _predict(
-        self, namespace: Namespace, replica: str, keys: list[int], ttl_s: float
+        self,
+        namespace: Namespace,
+        replica: str,
+        predictions: tuple[list[int], float],
+        homes: tuple[list[int], float],
     ) -> None:
+        (keys, ttl_s), (anchors, home_ttl_s) = predictions, homes
         try:
             async with asyncio.timeout(max(PREDICT_TIMEOUT_S, self.budget_s)):
-                await self.index.predict(namespace, replica, keys, ttl_s)
+                writes = []
+                if keys:
+                    writes.append(self.index.predict(namespace, replica, keys, ttl_s))
+                if anchors:
+                    writes.append(self.index.claim(namespace, replica, anchors, home_ttl_s))
+                await asyncio.gather(*writes)
         except (TimeoutError, IndexUnavailableError) as exc:
             self.breaker.failure()
             self.metrics.predictions.labels("error").inc()

@@ -106,6 +106,11 @@ class RouterSettings(LogSettings):
     predict_ttl_s: float = setting(
         3.0, "predict-on-route: the chosen replica holds the prompt's blocks this long (0: off)"
     )
+    home_ttl_s: float = setting(
+        120.0,
+        "a prefix's home (the replica it was last routed to) keeps priority this long after "
+        "its blocks are evicted, fading linearly (0: off)",
+    )
     connect_timeout_s: float = setting(1.0, "upstream connect timeout")
     first_byte_timeout_s: float = setting(
         600.0, "upstream answer timeout (a stream's first chunk; a whole non-stream answer)"
@@ -171,6 +176,7 @@ class RouterSettings(LogSettings):
         for name in (
             "retries",
             "predict_ttl_s",
+            "home_ttl_s",
             "metrics_interval_s",
             "tokenizer_cache_tokens",
             "lookup_timeout_per_block_us",

@@ -62,6 +62,7 @@ class DecisionJournal:
                 "resident": state.resident_blocks,
                 "cache_blocks": state.cache_blocks,
                 "churn": None if state.churn is None else round(state.churn, 3),
+                "home": round(state.home_blocks, 1),
             }
         line = {
             "t": round(time.time(), 4),

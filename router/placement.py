@@ -32,7 +32,7 @@ from router.requests import PromptRequest
 from router.tokenize import PromptTokenizer
 from tracker.blocks import Namespace, block_keys
 from tracker.errors import ConfigError
-from tracker.index import Match, Residency
+from tracker.index import Home, Match, Residency
 from tracker.tokens import TokenizationError, Tokenizer, load_chat_template
 
 logger = logging.getLogger(__name__)
@@ -285,9 +285,17 @@ class Placer:
                     cache_blocks=replica.cache_blocks,
                     resident_blocks=resident.blocks if resident is not None else None,
                     churn=churn[replica.id],
+                    home_blocks=self._home(view.homes.get(replica.id)),
                 )
             )
         return states
+
+    def _home(self, home: Home | None) -> float:
+        """A home claim's weight in blocks: its depth, fading linearly to 0 over its TTL."""
+        ttl = self.settings.home_ttl_s
+        if home is None or ttl <= 0:
+            return 0.0
+        return home.blocks * max(0.0, 1.0 - home.age_s / ttl)
 
     async def _place_baseline(
         self,

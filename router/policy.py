@@ -119,6 +119,8 @@ class ReplicaState:
     :param resident_blocks: blocks its KV events say its prefix cache holds now.
     :param churn: how fast its cache turns over relative to the other candidates' (1: the
         mean; from the rate its events store new blocks); None when unknown.
+    :param home_blocks: how much of the prompt's chain routers last sent here (its home
+        claim, faded with age), whether or not those blocks are still cached.
     """
 
     id: str
@@ -133,6 +135,7 @@ class ReplicaState:
     cache_blocks: int | None = None
     resident_blocks: int | None = None
     churn: float | None = None
+    home_blocks: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,11 +214,16 @@ class Decision:
 
 
 def score_replica(
-    prompt_tokens: int, state: ReplicaState, config: PolicyConfig, output_tokens: int = 0
+    prompt_tokens: int,
+    state: ReplicaState,
+    config: PolicyConfig,
+    output_tokens: int = 0,
+    home_tokens: float = 0.0,
 ) -> Score:
     """Expected TTFT and score of sending a ``prompt_tokens``-token prompt to ``state``.
 
     :param output_tokens: the most the request may generate (its KV memory grows to it).
+    :param home_tokens: the deepest home claim any candidate has on the prompt, in tokens.
     """
     size = config.block_size
     usable = max(0, min(state.matched_blocks, (prompt_tokens - 1) // size))
@@ -242,8 +250,11 @@ def score_replica(
         # a miss also costs what the TTFT does not show: the blocks it writes push cached ones
         # out (prefixes others will miss), and a second copy of a shared prefix splits its
         # later requests; nothing when the cache has room, more where it turns over fastest
-        miss = (config.miss_weight - 1.0) * speed.prefill_ms_per_token * own_work * regret
-        value = -(ttft + miss)
+        # leaving a prefix's home splits its group: the home will likely get it again
+        held = max(usable * size, min(state.home_blocks * size, prompt_tokens))
+        split = max(0.0, min(home_tokens, prompt_tokens) - held)
+        weight = (config.miss_weight - 1.0) * speed.prefill_ms_per_token * regret
+        value = -(ttft + weight * (own_work + split))
     else:
         matched = (gpu + (1.0 - config.offload_hit_cost) * offload) / size
         value = config.hit_weight * matched - config.load_weight * state.inflight
@@ -304,8 +315,9 @@ def decide(
     """
     if not candidates:
         raise ValueError("no candidate replicas to choose from")
+    home = max((s.home_blocks for s in candidates), default=0.0) * config.block_size
     scores = tuple(
-        score_replica(prompt_tokens, state, config, output_tokens) for state in candidates
+        score_replica(prompt_tokens, state, config, output_tokens, home) for state in candidates
     )
     values = [s.score for s in scores]
     if config.temperature > 0:

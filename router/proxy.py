@@ -40,6 +40,7 @@ from router.replicas import Replica
 from router.requests import PATHS, Endpoint, PromptRequest, cached_tokens, parse, upstream_body
 from router.sse import UsageFilter, error_event
 from router.upstream import UpstreamClient, UpstreamResponse, failure_kind, passthrough_headers
+from tracker.keys import home_anchors
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +169,14 @@ class _Attempt:
         # blocks the events already place there need no prediction; predicted ones get renewed
         held = placement.matches.get(replica.id)
         start = held.blocks - held.predicted_blocks if held is not None else 0
+        keys = placement.keys
         proxy.shared.predict(
-            placement.namespace, replica.id, placement.keys[start:], proxy.settings.predict_ttl_s
+            placement.namespace,
+            replica.id,
+            keys[start:],
+            proxy.settings.predict_ttl_s,
+            anchors=[keys[p] for p in home_anchors(len(keys))],
+            home_ttl_s=proxy.settings.home_ttl_s,
         )
 
     def first_token(self) -> None:

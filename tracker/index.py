@@ -17,6 +17,7 @@ import msgspec
 
 from tracker.blocks import Namespace
 from tracker.events import EventBatch
+from tracker.keys import home_anchors
 from tracker.ledger import LedgerChanges, ReplicaLedger
 
 _PREDICTION_SWEEP = 10_000
@@ -50,11 +51,20 @@ class Residency(msgspec.Struct, frozen=True):
     stored: int
 
 
+class Home(msgspec.Struct, frozen=True):
+    """A replica routers last sent a prefix of the chain to: how deep, and how long ago."""
+
+    blocks: int
+    age_s: float
+
+
 class Survey(msgspec.Struct, frozen=True):
-    """One lookup's answer: every replica's cached run of the chain, and its residency."""
+    """One lookup's answer: every replica's cached run of the chain, its residency, and the
+    homes routers recorded for the chain's prefixes (:meth:`BlockIndex.claim`)."""
 
     matches: dict[str, Match]
     residency: dict[str, Residency]
+    homes: dict[str, Home] = msgspec.field(default_factory=dict)
 
 
 class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,6 +124,16 @@ class BlockIndex(Protocol):
 
         Lookups extend a match with unexpired predictions where real placements end; real
         events supersede them.
+        """
+
+    async def claim(
+        self, namespace: Namespace, replica: str, anchors: Sequence[int], ttl_s: float
+    ) -> None:
+        """Record ``replica`` as the home of the anchor keys of a chain just routed there.
+
+        ``anchors`` are the keys at :func:`tracker.keys.home_anchors` positions. A claim
+        outlives eviction (it says where a prefix was sent, not what is cached) and expires
+        ``ttl_s`` after the last request that renewed it.
         """
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
@@ -232,6 +252,7 @@ class MemoryIndex:
         self._seen: dict[str, float] = {}
         self._predictions: dict[Namespace, dict[int, dict[str, float]]] = {}
         self._residency: dict[Namespace, dict[str, list[int]]] = {}
+        self._homes: dict[Namespace, dict[int, tuple[str, float, float]]] = {}
         self._sweep_at = 0.0
 
     def _ledger(self, replica: str, namespace: Namespace) -> ReplicaLedger:
@@ -298,7 +319,31 @@ class MemoryIndex:
     async def survey(self, namespace: Namespace, keys: Sequence[int]) -> Survey:
         counts = self._residency.get(namespace.base(), {})
         residency = {r: Residency(n, s) for r, (n, s) in counts.items()}
-        return Survey(await self.lookup(namespace, keys), residency)
+        return Survey(
+            await self.lookup(namespace, keys), residency, self._walk_homes(namespace, keys)
+        )
+
+    def _walk_homes(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Home]:
+        table = self._homes.get(namespace.base(), {})
+        now = time.monotonic()
+        homes: dict[str, Home] = {}
+        for position in home_anchors(len(keys)):
+            entry = table.get(keys[position])
+            if entry is None or entry[2] <= now:
+                break
+            replica, at, _ = entry
+            homes[replica] = Home(position + 1, now - at)
+        return homes
+
+    async def claim(
+        self, namespace: Namespace, replica: str, anchors: Sequence[int], ttl_s: float
+    ) -> None:
+        table = self._homes.setdefault(namespace.base(), {})
+        now = time.monotonic()
+        for key in anchors:
+            table[key] = (replica, now, now + ttl_s)
+        if len(table) > _PREDICTION_SWEEP and self._sweep_at <= now:
+            self._sweep_predictions(now)
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
@@ -323,6 +368,9 @@ class MemoryIndex:
         for table in self._predictions.values():
             for key in [k for k, e in table.items() if max(e.values(), default=0.0) <= now]:
                 del table[key]
+        for homes in self._homes.values():
+            for key in [k for k, (_, _, expiry) in homes.items() if expiry <= now]:
+                del homes[key]
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
         return len(self._ledger(replica, namespace))

@@ -14,6 +14,8 @@ key                             type   content
                                        offload refs (2 B)
 ``P:T:p:<bucket hex4>``         HASH   predictions (router): block key -> 8 bytes per
                                        replica: rid (2 B) + expiry, Redis time ms (6 B)
+``P:T:h:<bucket hex4>``         HASH   homes (router): anchor block key -> rid (2 B) + the
+                                       time it was routed there, Redis time ms (6 B)
 ``P:T:rid``                     HASH   replica id -> short numeric rid (1..16383)
 ``P:T:rname``                   HASH   rid -> replica id
 ``P:T:ridseq``                  STRING last rid allocated
@@ -70,6 +72,7 @@ class NamespaceKeys:
     __slots__ = (
         "block_prefix",
         "engine_prefix",
+        "home_prefix",
         "load",
         "nsid",
         "plive",
@@ -88,6 +91,7 @@ class NamespaceKeys:
         self.tag = f"{PREFIX}:{{{self.nsid}}}"
         self.block_prefix = f"{self.tag}:b:"
         self.prediction_prefix = f"{self.tag}:p:"
+        self.home_prefix = f"{self.tag}:h:"
         self.engine_prefix = f"{self.tag}:e:"
         self.rid = f"{self.tag}:rid"
         self.rname = f"{self.tag}:rname"
@@ -115,6 +119,24 @@ class NamespaceKeys:
 
     def engine_buckets(self, rid: int) -> list[str]:
         return [f"{self.engine_prefix}{rid}:{b >> 8}{b & 0xFF:02x}" for b in range(ENGINE_BUCKETS)]
+
+
+def home_anchors(blocks: int) -> list[int]:
+    """Positions of a chain of ``blocks`` whose keys carry its home: 0, 1, 3, 7, ... and the last.
+
+    Doubling positions keep a claim to O(log n) writes and reads however long the prompt,
+    while telling the depth two prompts share within a factor of two; the last block
+    names the exact prompt, which is the prefix of the next turn of a conversation.
+    """
+    if blocks <= 0:
+        return []
+    out = []
+    position = 1
+    while position < blocks:
+        out.append(position - 1)
+        position *= 2
+    out.append(blocks - 1)
+    return out
 
 
 def field(key: int) -> bytes:

@@ -154,8 +154,11 @@ end
 """
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, n x 8-byte block key]
-# Returns {matches, stats}: matches a flat array [replica, matched blocks, matched GPU blocks,
-# predicted blocks, ...]; stats the partition's whole stats hash (HGETALL), for every replica.
+# Returns {matches, stats, homes}: matches a flat array [replica, matched blocks, matched GPU
+# blocks, predicted blocks, ...]; stats the partition's whole stats hash (HGETALL), for every
+# replica; homes [replica, depth in blocks, age ms, ...]: the home records of the chain's
+# anchors (tracker.keys.home_anchors), walked from the first while each has one, every replica
+# with the deepest anchor that names it.
 # Phase 1 walks real placements. Consecutive blocks held by the same replicas carry identical
 # values (Lua strings are interned, so comparing them is O(1)); such runs are counted without
 # re-parsing entries. Phase 2 starts where no replica still matching holds the next block and
@@ -258,7 +261,32 @@ while i <= #chain - 7 do
   i = i + 8
 end
 local stats = redis.call('HGETALL', ARGV[1] .. ':stats')
-if #order == 0 then return {{}, stats} end
+local hprefix, n = ARGV[1] .. ':h:', #chain / 8
+local homes, horder, block = {}, {}, 1
+while block <= n do
+  local f = string.sub(chain, block * 8 - 7, block * 8)
+  local h = redis.call('HGET', block_bucket(hprefix, f), f)
+  if not h or #h < 8 then break end
+  clock = clock or now_ms()
+  local b1, b2 = string.byte(h, 1, 2)
+  local rid = b1 * 256 + b2
+  if not homes[rid] then horder[#horder + 1] = rid end
+  homes[rid] = {block, clock - expiry_of(h, 1)}
+  if block == n then break end
+  block = math.min(block * 2, n)
+end
+local named = {}
+if #horder > 0 then
+  local hnames = redis.call('HMGET', KEYS[1], unpack(horder))
+  for k, rid in ipairs(horder) do
+    if hnames[k] then
+      named[#named + 1] = hnames[k]
+      named[#named + 1] = homes[rid][1]
+      named[#named + 1] = homes[rid][2]
+    end
+  end
+end
+if #order == 0 then return {{}, stats, named} end
 local names = redis.call('HMGET', KEYS[1], unpack(order))
 local out = {}
 for k, rid in ipairs(order) do
@@ -269,7 +297,28 @@ for k, rid in ipairs(order) do
     out[#out + 1] = runs[rid][3]
   end
 end
-return {out, stats}
+return {out, stats, named}
+"""
+)
+
+# KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, ttl ms, anchor block keys (8 bytes
+# each), replica name]. Records replica ``rid`` as the home of each anchor, stamped with Redis
+# time; the bucket keys expire ttl after their newest record. Returns -1, writing nothing,
+# when the rid no longer belongs to that replica.
+CLAIM: Final = (
+    _BUCKETS
+    + _PREDICTIONS
+    + """
+local hprefix, rid, ttl, anchors = ARGV[1] .. ':h:', tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+if redis.call('HGET', KEYS[1], rid) ~= ARGV[5] then return -1 end
+local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(now_ms())
+for i = 1, #anchors - 7, 8 do
+  local f = string.sub(anchors, i, i + 7)
+  local key = block_bucket(hprefix, f)
+  redis.call('HSET', key, f, mine)
+  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+end
+return #anchors / 8
 """
 )
 

@@ -32,7 +32,7 @@ from tracker import lua
 from tracker.blocks import Namespace
 from tracker.errors import ConfigError, IndexUnavailableError
 from tracker.events import EventBatch
-from tracker.index import ApplyResult, Match, ReplicaRecord, Residency, Survey
+from tracker.index import ApplyResult, Home, Match, ReplicaRecord, Residency, Survey
 from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
 from tracker.settings import redact_url
 
@@ -80,6 +80,7 @@ class RedisIndex:
         self._apply = client.register_script(lua.APPLY)
         self._lookup = client.register_script(lua.LOOKUP)
         self._predict = client.register_script(lua.PREDICT)
+        self._claim = client.register_script(lua.CLAIM)
         self._rid_script = client.register_script(lua.RID)
         self._release_rid = client.register_script(lua.RELEASE_RID)
         self._heartbeat = client.register_script(lua.HEARTBEAT)
@@ -335,7 +336,7 @@ class RedisIndex:
     async def survey(self, namespace: Namespace, keys: Sequence[int]) -> Survey:
         nk = self.keys_for(namespace)
         # an empty chain still walks nothing and answers the residency
-        found, stats = await self._call(
+        found, stats, homes = await self._call(
             "lookup", self._lookup(keys=[nk.rname], args=[nk.tag, _chain(keys)])
         )
         matches: dict[str, Match] = {}
@@ -347,7 +348,32 @@ class RedisIndex:
             kind, _, name = stats[i].decode().partition(":")
             slot = 0 if kind == "n" else 1
             counts.setdefault(name, [0, 0])[slot] = int(stats[i + 1])
-        return Survey(matches, {r: Residency(max(0, n), s) for r, (n, s) in counts.items()})
+        claims = {
+            homes[i].decode(): Home(int(homes[i + 1]), max(0, int(homes[i + 2])) / 1000)
+            for i in range(0, len(homes) - 2, 3)
+        }
+        residency = {r: Residency(max(0, n), s) for r, (n, s) in counts.items()}
+        return Survey(matches, residency, claims)
+
+    async def claim(
+        self, namespace: Namespace, replica: str, anchors: Sequence[int], ttl_s: float
+    ) -> None:
+        if not anchors:
+            return
+        nk = self.keys_for(namespace)
+        base = namespace.base()
+        for _ in range(2):
+            rid = await self.rid(replica, base)
+            status = await self._call(
+                "claim",
+                self._claim(
+                    keys=[nk.rname],
+                    args=[nk.tag, rid, max(1, int(ttl_s * 1000)), _chain(anchors), replica],
+                ),
+            )
+            if int(status) >= 0:
+                return
+            self._rids.pop((replica, base), None)
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float

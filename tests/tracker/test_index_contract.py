@@ -17,6 +17,7 @@ import xxhash
 from tracker.blocks import Namespace, block_keys
 from tracker.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from tracker.index import BlockIndex, Match, MemoryIndex, ReplicaRecord
+from tracker.keys import home_anchors
 from tracker.redis_index import RedisIndex
 
 NS = Namespace("llama", 4)
@@ -387,6 +388,26 @@ async def test_residency_counts_held_and_stored_gpu_blocks(index: BlockIndex) ->
     survey = await index.survey(NS, [])
     assert survey.matches == {}
     assert (survey.residency["a"].blocks, survey.residency["a"].stored) == (0, 5)
+
+
+async def test_homes_name_the_last_replica_each_anchor_was_routed_to(index: BlockIndex) -> None:
+    long = list(range(5000, 5040))  # 10 blocks of 4
+    keys = block_keys(long, NS)
+    assert home_anchors(len(keys)) == [0, 1, 3, 7, 9]
+    await index.claim(NS, "a", [keys[p] for p in home_anchors(len(keys))], ttl_s=0.6)
+    # a prompt sharing 5 blocks meets a's anchors 0, 1, 3 (its own 4, 7 were never claimed)
+    sibling = block_keys([*long[:20], *OTHER], NS)
+    survey = await index.survey(NS, sibling)
+    assert {r: h.blocks for r, h in survey.homes.items()} == {"a": 4}
+    assert 0 <= survey.homes["a"].age_s < 0.5
+    assert survey.matches == {}  # a home says where a prefix went, not what is cached
+    # b takes over the shared part; a keeps the depth only it was routed with
+    await index.claim(NS, "b", [sibling[p] for p in home_anchors(len(sibling))], ttl_s=5)
+    survey = await index.survey(NS, keys)
+    assert {r: h.blocks for r, h in survey.homes.items()} == {"b": 4, "a": 10}
+    await asyncio.sleep(0.8)
+    survey = await index.survey(NS, keys)
+    assert {r: h.blocks for r, h in survey.homes.items()} == {"b": 4}
 
 
 async def test_a_replica_that_stopped_matching_is_not_revived_by_predictions(
