@@ -28,7 +28,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from bench.workloads import Workload, messages, text
+from bench.workloads import Conversation, Workload, messages, text
 from publishers.latency import LatencyProfile
 from tracker.blocks import Namespace, block_keys
 from tracker.tokens import Tokenizer
@@ -180,3 +180,63 @@ def capacity(shape: WorkloadShape, engine: EngineShape, replicas: int) -> Capaci
         blocks=whole,
     )
     return Capacity(ideal * replicas, ideal_limit, blind * replicas, blind_limit, step)
+
+
+def ttft_floors(
+    workload: Workload,
+    engine: EngineShape,
+    tokenizer: Tokenizer,
+    *,
+    max_num_batched_tokens: int = 8192,
+) -> list[float]:
+    """Per request, in arrival order, the least TTFT any router could give it (simulated ms).
+
+    The request pays only its unavoidable prefill: the tokens no earlier request of the
+    workload had (a block seen before is taken as cached wherever it is needed, and the last
+    token is always computed, as vLLM does), in chunks of ``max_num_batched_tokens``, each
+    chunk one engine step of the latency profile with nothing else in the batch and no
+    queue. The bound no routing policy can beat, and no finite fleet reaches under load.
+    """
+    size = engine.block_size
+    namespace = Namespace("floor", size)
+    profile = engine.profile
+    ordered = sorted(
+        (c.start_s, i, ids) for i, (c, ids) in enumerate(_conversation_prompts(tokenizer, workload))
+    )
+    seen: set[int] = set()
+    out = []
+    for _, _, ids in ordered:
+        chain = block_keys(ids, namespace)
+        cached = 0
+        for key in chain[: max(0, (len(ids) - 1) // size)]:
+            if key not in seen:
+                break
+            cached += size
+        seen.update(chain)
+        ms, done = 0.0, cached
+        while done < len(ids):
+            chunk = min(max_num_batched_tokens, len(ids) - done)
+            ms += profile.step_ms([(chunk, done)], [])
+            done += chunk
+        out.append(ms)
+    return out
+
+
+def _conversation_prompts(
+    tokenizer: Tokenizer, workload: Workload
+) -> list[tuple[Conversation, list[int]]]:
+    """Each turn's prompt with its conversation (later turns arrive after earlier ones)."""
+    rng = random.Random("capacity")
+    out = []
+    for conversation in workload.conversations:
+        answers: list[str] = []
+        for i, turn in enumerate(conversation.turns):
+            if conversation.raw:
+                ids = tokenizer.prompt_token_ids(turn.user)
+            else:
+                ids = tokenizer.chat_token_ids(
+                    messages(conversation, i, answers), add_generation_prompt=True
+                )
+            out.append((conversation, ids))
+            answers.append(text(rng, turn.max_tokens))
+    return out

@@ -50,6 +50,7 @@ class BenchSettings(LogSettings):
         "1024 + 64 tokens, 128 out, time scale 2",
     )
     json: str | None = setting(None, "write the results as JSON to this file")
+    raw: bool = setting(False, "with --json: every request's result too (for analysis)")
     plot: str | None = setting(None, "write the TTFT CDF to this PNG (and FILE-bars.png)")
     replicas: int | None = setting(None, "simulated engines (default 8; quick 4)")
     routers: int = setting(1, "routers (more than 1: behind haproxy, sharing load via Redis)")
@@ -236,6 +237,7 @@ def run(settings: BenchSettings) -> int:
         chosen,
         runs,
         json_path=Path(settings.json) if settings.json else None,
+        raw=settings.raw,
         plot_path=Path(settings.plot) if settings.plot else None,
     )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -144,6 +145,7 @@ class Console(Hooks):
         *,
         json_path: Path | None,
         plot_path: Path | None,
+        raw: bool = False,
     ) -> int:
         """Print the table and goals, write JSON and plots; exit status 1 if requests failed."""
         scale = chosen.fleet.time_scale
@@ -156,6 +158,8 @@ class Console(Hooks):
         checked = goals(chosen.workload.name, summaries)
         self.goals(checked)
         doc: dict[str, Any] = document(chosen.meta(), summaries, checked)
+        if raw:
+            doc["results"] = {run.policy: [asdict(r) for r in run.results] for run in runs}
         if json_path is not None:
             write_json(doc, json_path)
             self.out.print(f"wrote {json_path}")

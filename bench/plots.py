@@ -9,9 +9,13 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.harness import PolicyRun
 from bench.report import Summary, latencies_ms
+
+if TYPE_CHECKING:
+    from bench.matrix import Verdict
 
 
 def bars_path(path: Path) -> Path:
@@ -71,3 +75,52 @@ def plot(
     fig.savefig(bars, dpi=110)
     plt.close(fig)
     return [path, bars]
+
+
+def matrix_plots(verdicts: Sequence[Verdict], directory: Path) -> list[Path]:
+    """Per axis of the scenario matrix, hit rate and TTFT p95 of every policy per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for axis in dict.fromkeys(v.cell.axis for v in verdicts):
+        cells = [v for v in verdicts if v.cell.axis == axis]
+        labels = [v.cell.label for v in cells]
+        policies = list(dict.fromkeys(p for v in cells for p in v.summaries))
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        for i, policy in enumerate(policies):
+            style = {"linewidth": 2.6 if policy == "kvrouter" else 1.3, "marker": "o"}
+            hits = [
+                v.summaries[policy].hit_rate * 100 if policy in v.summaries else None for v in cells
+            ]
+            p95 = [
+                v.summaries[policy].ttft_ms["p95"] if policy in v.summaries else None for v in cells
+            ]
+            left.plot(labels, hits, label=policy, color=f"C{i}", **style)
+            right.plot(labels, p95, label=policy, color=f"C{i}", **style)
+        bound_hits = [
+            100 * v.doc.get("bound", {}).get("ideal_hit_rate", float("nan")) for v in cells
+        ]
+        bound_p95 = [
+            v.doc.get("bound", {}).get("ttft_floor_ms", {}).get("p95", float("nan")) for v in cells
+        ]
+        left.plot(labels, bound_hits, "k--", label="bound (ideal)", linewidth=1)
+        right.plot(labels, bound_p95, "k--", label="bound (floor)", linewidth=1)
+        left.set_ylabel("engine-reported prefix hit rate (%)")
+        left.set_ylim(0, 100)
+        right.set_ylabel("TTFT p95 (simulated H200 ms, log)")
+        right.set_yscale("log")
+        for ax in (left, right):
+            ax.grid(True, alpha=0.3)
+            ax.set_xlabel(axis)
+        right.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+        fig.suptitle(f"scenario matrix — {axis}", fontsize=10)
+        fig.tight_layout()
+        path = directory / f"matrix-{axis}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append(path)
+    return out

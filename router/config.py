@@ -95,7 +95,9 @@ class RouterSettings(LogSettings):
     temperature: float = setting(0.0, "softmax temperature in ms (0: best score, random ties)")
     tie_epsilon_ms: float = setting(1.0, "expected TTFTs this close are a tie")
     miss_weight: float = setting(
-        2.0, "ttft policy: weight of uncached prefill in the score (1: pure expected TTFT)"
+        3.0,
+        "ttft policy: a miss costs (weight - 1) times its prefill again for the cached blocks "
+        "it evicts (1: none)",
     )
     lookup_timeout_ms: float = setting(10.0, "time budget of the index lookup and load snapshot")
     lookup_timeout_per_block_us: float = setting(

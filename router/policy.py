@@ -153,7 +153,7 @@ class PolicyConfig:
     decode_ms_per_request: float = 0.05
     kv_high_watermark: float = 0.9
     kv_full_penalty_ms: float = 250.0
-    miss_weight: float = 2.0
+    miss_weight: float = 3.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("ttft", "linear"):
@@ -213,18 +213,52 @@ class Decision:
         return next(s for s in self.scores if s.replica == self.replica)
 
 
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """What one decision knows of all candidates together.
+
+    :param home_tokens: the deepest home claim any candidate has on the prompt, in tokens.
+    :param busy: requests in flight per candidate, on average: the compute a miss spends
+        delays that many others (running ones share its engine steps, queued ones wait for
+        it), and on a busy fleet an idle engine does not stay idle.
+    """
+
+    home_tokens: float = 0.0
+    busy: float = 0.0
+
+
+def fleet_of(prompt_tokens: int, candidates: Sequence[ReplicaState], config: PolicyConfig) -> Fleet:
+    """The :class:`Fleet` facts of one decision."""
+    home = max((s.home_blocks for s in candidates), default=0.0) * config.block_size
+    active = [_active(s) for s in candidates]
+    busy = sum(active) / len(active) if active else 0.0
+    return Fleet(home_tokens=home, busy=busy)
+
+
+def _active(state: ReplicaState) -> int:
+    """Requests in flight on the replica: every router's, or the engine's own count if more."""
+    return max(state.inflight, (state.engine_running or 0) + (state.engine_waiting or 0))
+
+
+def _queued_tokens(state: ReplicaState, config: PolicyConfig) -> float:
+    """Prefill work ahead of a new request: every router's queue plus unseen waiting ones."""
+    unseen = max(0, (state.engine_waiting or 0) - state.inflight) * config.unseen_request_tokens
+    return max(0, state.queued_prefill_tokens) + unseen
+
+
 def score_replica(
     prompt_tokens: int,
     state: ReplicaState,
     config: PolicyConfig,
     output_tokens: int = 0,
-    home_tokens: float = 0.0,
+    fleet: Fleet | None = None,
 ) -> Score:
     """Expected TTFT and score of sending a ``prompt_tokens``-token prompt to ``state``.
 
     :param output_tokens: the most the request may generate (its KV memory grows to it).
-    :param home_tokens: the deepest home claim any candidate has on the prompt, in tokens.
+    :param fleet: facts of the other candidates too (:func:`fleet_of`); default: none.
     """
+    fleet = fleet or Fleet()
     size = config.block_size
     usable = max(0, min(state.matched_blocks, (prompt_tokens - 1) // size))
     gpu = max(0, min(state.matched_gpu_blocks, usable)) * size
@@ -232,10 +266,8 @@ def score_replica(
     uncached = max(0, prompt_tokens - usable * size)
     speed = state.speed
 
-    waiting = state.engine_waiting or 0
-    unseen = max(0, waiting - state.inflight) * config.unseen_request_tokens
-    queued = max(0, state.queued_prefill_tokens) + unseen
-    active = max(state.inflight, (state.engine_running or 0) + waiting)
+    queued = _queued_tokens(state, config)
+    active = _active(state)
     queue_ms = speed.prefill_ms_per_token * queued + config.decode_ms_per_request * active
     usage = projected_kv_usage(state, uncached + output_tokens, size)
     if usage is not None and usage > config.kv_high_watermark:
@@ -245,16 +277,21 @@ def score_replica(
     own_work = uncached + config.offload_hit_cost * offload
     prefill_ms = speed.prefill_ms(own_work)
     ttft = queue_ms + prefill_ms
-    regret = eviction_regret(state, uncached / size)
+    share = eviction_share(state, uncached / size)
+    regret = share * relative_churn(state)
     if config.mode == "ttft":
-        # a miss also costs what the TTFT does not show: the blocks it writes push cached ones
-        # out (prefixes others will miss), and a second copy of a shared prefix splits its
-        # later requests; nothing when the cache has room, more where it turns over fastest
-        # leaving a prefix's home splits its group: the home will likely get it again
+        # What a miss costs beyond its own TTFT. Its compute delays the requests in flight
+        # beside it. The blocks it writes push cached ones out (nothing while the cache has
+        # room; worse where the cache turns over fastest: the blocks pushed out are young). And
+        # leaving a prefix's home splits its group (the home will likely get it again): that
+        # costs the home's claim over again wherever the cache is full, churn or not.
         held = max(usable * size, min(state.home_blocks * size, prompt_tokens))
-        split = max(0.0, min(home_tokens, prompt_tokens) - held)
-        weight = (config.miss_weight - 1.0) * speed.prefill_ms_per_token * regret
-        value = -(ttft + weight * (own_work + split))
+        split = max(0.0, min(fleet.home_tokens, prompt_tokens) - held)
+        s = speed.prefill_ms_per_token
+        compute = s * own_work * active
+        weight = (config.miss_weight - 1.0) * s * (1.0 + fleet.busy)
+        evict = weight * (own_work * regret + split * share)
+        value = -(ttft + compute + evict)
     else:
         matched = (gpu + (1.0 - config.offload_hit_cost) * offload) / size
         value = config.hit_weight * matched - config.load_weight * state.inflight
@@ -286,20 +323,30 @@ def projected_kv_usage(state: ReplicaState, new_tokens: float, block_size: int) 
     return state.kv_usage + new_tokens / block_size / state.cache_blocks
 
 
-def eviction_regret(state: ReplicaState, new_blocks: float) -> float:
-    """How much writing ``new_blocks`` on ``state``'s replica costs others, relative to the mean.
+def eviction_share(state: ReplicaState, new_blocks: float) -> float:
+    """The share of ``new_blocks`` written on the replica that push a cached block out.
 
-    The share of the new blocks that will push a cached block out (none while the cache has
-    never-used room), times the replica's relative churn: where the cache turns over fast,
-    the blocks at the end of its LRU queue were used recently and will be missed; where it
-    is slow they are old. Unknown parts count as 1 (the mean: every miss evicts).
+    None while the cache has never-used room; all of them when its size or residency is
+    unknown.
     """
-    share = 1.0
-    if state.cache_blocks is not None and state.resident_blocks is not None and new_blocks > 0:
-        room = state.cache_blocks - state.resident_blocks
-        share = min(1.0, max(0.0, (new_blocks - room) / new_blocks))
-    churn = 1.0 if state.churn is None else min(max(state.churn, 0.0), MAX_CHURN)
-    return share * churn
+    if state.cache_blocks is None or state.resident_blocks is None or new_blocks <= 0:
+        return 1.0
+    room = state.cache_blocks - state.resident_blocks
+    return min(1.0, max(0.0, (new_blocks - room) / new_blocks))
+
+
+def relative_churn(state: ReplicaState) -> float:
+    """The replica's churn relative to the candidates' mean, clipped (1 when unknown).
+
+    Where the cache turns over fast, the blocks at the end of its LRU queue were used
+    recently and will be missed; where it is slow they are old.
+    """
+    return 1.0 if state.churn is None else min(max(state.churn, 0.0), MAX_CHURN)
+
+
+def eviction_regret(state: ReplicaState, new_blocks: float) -> float:
+    """How much writing ``new_blocks`` on the replica costs others, relative to the mean."""
+    return eviction_share(state, new_blocks) * relative_churn(state)
 
 
 def decide(
@@ -315,9 +362,9 @@ def decide(
     """
     if not candidates:
         raise ValueError("no candidate replicas to choose from")
-    home = max((s.home_blocks for s in candidates), default=0.0) * config.block_size
+    fleet = fleet_of(prompt_tokens, candidates, config)
     scores = tuple(
-        score_replica(prompt_tokens, state, config, output_tokens, home) for state in candidates
+        score_replica(prompt_tokens, state, config, output_tokens, fleet) for state in candidates
     )
     values = [s.score for s in scores]
     if config.temperature > 0:
@@ -326,6 +373,9 @@ def decide(
         epsilon = config.tie_epsilon_ms if config.mode == "ttft" else _LINEAR_TIE
         best = max(values)
         tied = [i for i, v in enumerate(values) if v >= best - epsilon]
+        if len(tied) > 1:  # the least busy of the tied, then at random
+            fewest = min(_active(candidates[i]) for i in tied)
+            tied = [i for i in tied if _active(candidates[i]) == fewest]
         index = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
     return Decision(scores[index].replica, scores, config.mode)
 

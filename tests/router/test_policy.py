@@ -94,12 +94,15 @@ def test_score_breakdown(case: Case) -> None:
     assert score.queue_ms == pytest.approx(queue_ms)
     assert score.prefill_ms == pytest.approx(prefill_ms)
     assert score.expected_ttft_ms == pytest.approx(queue_ms + prefill_ms)
-    # the score counts the replica's own prefill work miss_weight times
+    # the score counts the replica's own prefill work miss_weight times (what it evicts:
+    # nothing is known of the cache, so every block evicts), and once more for each request
+    # in flight beside it (its compute delays them)
     own_work = prefill_ms - F if prompt else 0.0
-    extra = (CONFIG.miss_weight - 1) * own_work
+    active = max(state.inflight, (state.engine_running or 0) + (state.engine_waiting or 0))
+    extra = (CONFIG.miss_weight - 1) * own_work + active * own_work
     assert score.score == pytest.approx(-(score.expected_ttft_ms + extra))
     assert score_replica(prompt, state, PolicyConfig(miss_weight=1.0)).score == pytest.approx(
-        -score.expected_ttft_ms
+        -(score.expected_ttft_ms + active * own_work)
     )
 
 

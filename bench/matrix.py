@@ -1,0 +1,429 @@
+"""``kvrouter matrix``: every routing policy, real peers included, across a matrix of scenarios.
+
+Each cell of the matrix is one ``kvrouter bench`` run (:mod:`bench.harness`): one fleet, one
+workload, every policy in turn with the same arrivals. The axes vary one thing each around a
+base scenario — 4 simulated engines, 16 groups sharing ~3,000-token system prompts, 20
+questions each (320 requests), 64 output tokens — and every cell carries its bounds: the
+workload's ideal hit rate and the analytic TTFT floor (:func:`bench.capacity.ttft_floors`).
+Cells replay 320 requests (16 x 20) at 8 req/s unless the axis varies that, time scale 3.
+
+=============  ===========================================================================
+axis           cells
+=============  ===========================================================================
+cache          KV cache per engine from roomy (4,096 blocks) to half the working set (400)
+load           arrivals at 25 / 50 / 75 / 100 % of the ideal capacity (1,024 blocks)
+routers        1, 2 and 4 routers behind haproxy (peers: as many instances), 700 blocks
+bypass         a quarter of the conversations sent straight to an engine, 700 blocks
+restart        one engine SIGKILLed and restarted empty 15 s into each pass, 700 blocks
+conversation   multi-turn chat with long answers; a conversation-shaped Mooncake trace on 8
+               engines with an H200's cache for an 8B model (58k blocks)
+=============  ===========================================================================
+
+Results go to one JSON file per cell (``--out``); a cell whose file exists is not run again
+unless ``--force`` (a long matrix can be resumed). ``--report`` renders the tables (and the
+plots with ``--plots``) from the files alone. The README's matrix section and
+docs/matrix.md are written from the same files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from bench.capacity import EngineShape, ttft_floors
+from bench.commands import BenchSettings, plan
+from bench.harness import POLICIES, Harness
+from bench.peers import INSTALL_HINT, PEERS, missing
+from bench.report import Summary, add_ratios, document, from_document, percentile, summarize
+from bench.report import markdown as policy_table
+from publishers.latency import load_profile
+from tracker.cli import Command
+from tracker.config import LogSettings
+from tracker.errors import ConfigError
+from tracker.settings import setting
+from tracker.tokens import Tokenizer
+
+AXES: Final = ("cache", "load", "routers", "bypass", "restart", "conversation")
+BASE: Final[dict[str, Any]] = {
+    "workload": "gsp",
+    "replicas": 4,
+    "groups": 16,
+    "prompts_per_group": 20,
+    "system_tokens": 3000,
+    "question_tokens": 150,
+    "output_tokens": 64,
+}
+BASE_RATE: Final = 8.0  # req/s: light on a roomy cache, beyond cache-blind at 400 blocks
+# the in-router emulations of the approximate designs (seed, sglang) give way to the real peers
+POLICIES_DEFAULT: Final = (
+    "round-robin",
+    "least-load",
+    "kvrouter",
+    "oracle",
+    "vllm-kv",
+    "vllm-cache",
+    "smg",
+)
+PRESSURE: Final = 700  # blocks: the 16 prefixes (3,008 blocks) do not fit in 4 x 700
+EVENT_AXES: Final = ("routers", "bypass", "restart")  # where only events know the truth
+README_BEGIN: Final = "<!-- bench:matrix:begin -->"
+README_END: Final = "<!-- bench:matrix:end -->"
+_TOLERANCE: Final = 0.03
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One scenario: a label on its axis and the ``kvrouter bench`` settings that make it.
+
+    :param events: only event-driven state knows the truth here (several routers, eviction
+        pressure, outside traffic, restarts): kvrouter must beat the best peer outright.
+    """
+
+    axis: str
+    label: str
+    settings: dict[str, Any]
+    events: bool = False
+
+    @property
+    def key(self) -> str:
+        """Names the result file; cells of equal settings share one run."""
+        digest = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()
+        return f"{_slug(self.axis)}-{_slug(self.label)}-{digest[:8]}"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def cells(axes: Sequence[str] = AXES) -> list[Cell]:
+    """The matrix (see the module docstring), for the axes asked for."""
+    base = {**BASE, "rate": BASE_RATE}
+    pressure = {**base, "num_blocks": PRESSURE}
+    out: list[Cell] = []
+    if "cache" in axes:
+        for blocks, label in ((4096, "4096 roomy"), (1024, "1024"), (700, "700"), (400, "400")):
+            out.append(Cell("cache", label, {**base, "num_blocks": blocks}, events=blocks < 1024))
+    if "load" in axes:
+        for load in (0.25, 0.5, 0.75, 1.0):
+            settings = {**BASE, "num_blocks": 1024, "load": load}
+            out.append(Cell("load", f"{load:.0%}", settings))
+    if "routers" in axes:
+        for routers in (1, 2, 4):
+            settings = pressure if routers == 1 else {**pressure, "routers": routers}
+            out.append(Cell("routers", str(routers), settings, events=True))
+    if "bypass" in axes:
+        out.append(Cell("bypass", "25%", {**pressure, "bypass": 0.25}, events=True))
+    if "restart" in axes:
+        restart = {**pressure, "restart_engine_at_s": 15.0}
+        out.append(Cell("restart", "engine at 15 s", restart, events=True))
+    if "conversation" in axes:
+        chat = {
+            "workload": "multiturn",
+            "replicas": 4,
+            "users": 32,
+            "rounds": 6,
+            "system_tokens": 1000,
+            "context_tokens": 2000,
+            "question_tokens": 64,
+            "output_tokens": 400,
+            "think_s": 3.0,
+            "num_blocks": 1024,
+            "rate": 8.0,
+        }
+        trace = {
+            "workload": "trace",
+            "trace": "bench/traces/synthetic_conversation.jsonl",
+            "max_requests": 300,
+            "replicas": 8,
+            "num_blocks": 58_000,
+            "time_scale": 1.0,
+        }
+        out += [Cell("conversation", "multi-turn", chat), Cell("conversation", "trace", trace)]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatrixSettings(LogSettings):
+    """``kvrouter matrix``: every policy, real peers included, across the scenario matrix."""
+
+    PART = "MATRIX"
+
+    axes: str = setting(",".join(AXES), "comma-separated axes: " + ", ".join(AXES))
+    policies: str = setting(
+        ",".join(POLICIES_DEFAULT), "comma-separated policies of every cell: " + ", ".join(POLICIES)
+    )
+    out: str = setting("bench/results/matrix", "directory of the per-cell JSON results")
+    force: bool = setting(False, "run cells again even if their result file exists")
+    time_scale: float = setting(3.0, "engine time scale of cells that do not set their own")
+    report: bool = setting(False, "only render the tables from existing results")
+    readme: str | None = setting(None, "also rewrite this README's matrix section")
+    doc: str | None = setting(None, "also write every cell's full table to this Markdown file")
+    plots: str | None = setting(None, "also write one PNG per axis into this directory")
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.axis_list if a not in AXES]
+        if unknown or not self.axis_list:
+            raise ConfigError(f"axes: unknown {unknown}; choose from {', '.join(AXES)}")
+        bad = [p for p in self.policy_list if p not in POLICIES]
+        if bad or not self.policy_list:
+            raise ConfigError(f"policies: unknown {bad}; choose from {', '.join(POLICIES)}")
+        if self.time_scale <= 0:
+            raise ConfigError("time-scale must be positive")
+
+    @property
+    def axis_list(self) -> tuple[str, ...]:
+        return tuple(a.strip() for a in self.axes.split(",") if a.strip())
+
+    @property
+    def policy_list(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.policies.split(",") if p.strip())
+
+
+def bounds(chosen: Any) -> dict[str, Any]:
+    """The cell's limits: the ideal hit rate and the analytic TTFT floor's percentiles."""
+    fleet = chosen.fleet
+    engine = EngineShape(load_profile(fleet.profile), fleet.num_blocks, fleet.block_size)
+    floors = ttft_floors(
+        chosen.workload,
+        engine,
+        Tokenizer.builtin(),
+        max_num_batched_tokens=fleet.max_num_batched_tokens,
+    )
+    return {
+        "ideal_hit_rate": chosen.shape.ideal_hit_rate,
+        "ttft_floor_ms": {f"p{q}": percentile(floors, q) for q in (50, 95, 99)},
+    }
+
+
+def run_cell(cell: Cell, settings: MatrixSettings, path: Path) -> dict[str, Any]:
+    """One bench run of every available policy; the document is written to ``path``."""
+    from bench.console import Console  # rich only when the command runs
+
+    values = {"time_scale": settings.time_scale, **cell.settings}
+    bench = BenchSettings(**values, policies=",".join(settings.policy_list))
+    chosen = plan(bench)
+    console = Console()
+    absent = missing(chosen.policies)
+    if absent:
+        console.stage(f"skipping {', '.join(absent)}: not installed ({INSTALL_HINT})")
+        chosen = dataclasses.replace(
+            chosen, policies=tuple(p for p in chosen.policies if p not in absent)
+        )
+    console.stage(f"[{cell.axis}] {cell.label}")
+    console.plan(chosen)
+    runs = Harness(chosen.fleet, chosen.workload, chosen.policies, console).run()
+    summaries = {r.policy: summarize(r, chosen.fleet.time_scale) for r in runs}
+    add_ratios(summaries)
+    meta = {**chosen.meta(), "cell": {"axis": cell.axis, "label": cell.label}}
+    doc = document({**meta, "bound": bounds(chosen)}, summaries, [])
+    console.table(summaries, f"[{cell.axis}] {cell.label}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
+# ------------------------------------------------------------------ verdicts
+
+
+@dataclass
+class Verdict:
+    """kvrouter against the best real peer in one cell (NaN where nothing to compare)."""
+
+    cell: Cell
+    doc: dict[str, Any]
+    summaries: dict[str, Summary]
+    best: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+    @property
+    def kv(self) -> Summary | None:
+        return self.summaries.get("kvrouter")
+
+    def ratio(self, metric: str) -> float:
+        """Best peer's latency over kvrouter's (> 1: kvrouter better); hit rate: points."""
+        kv, best = self.kv, self.best.get(metric)
+        if kv is None or best is None:
+            return math.nan
+        if metric == "hit_rate":
+            return 100.0 * (kv.hit_rate - best[1])
+        mine = kv.ttft_ms[metric]
+        return best[1] / mine if mine else math.nan
+
+    @property
+    def ties(self) -> bool:
+        """At least the best peer's TTFT p50, p95 and hit rate, within 3 %."""
+        kv = self.kv
+        if kv is None or not self.best:
+            return False
+        latency = all(kv.ttft_ms[q] <= (1 + _TOLERANCE) * self.best[q][1] for q in ("p50", "p95"))
+        return latency and kv.hit_rate >= (1 - _TOLERANCE) * self.best["hit_rate"][1]
+
+    @property
+    def wins(self) -> bool:
+        """Strictly better: >= 1.3x on TTFT p95 or >= 5 points of hit rate."""
+        return self.ratio("p95") >= 1.3 or self.ratio("hit_rate") >= 5.0
+
+    @property
+    def met(self) -> bool:
+        return self.ties and (self.wins or not self.cell.events)
+
+
+def verdict(cell: Cell, doc: dict[str, Any]) -> Verdict:
+    summaries, _ = from_document(doc)
+    out = Verdict(cell, doc, summaries)
+    peers = {name: s for name, s in summaries.items() if name in PEERS}
+    for metric in ("p50", "p95", "hit_rate"):
+        if not peers:
+            break
+        if metric == "hit_rate":
+            name = max(peers, key=lambda n: peers[n].hit_rate)
+            out.best[metric] = (name, peers[name].hit_rate)
+        else:
+            name = min(peers, key=lambda n: peers[n].ttft_ms[metric])
+            out.best[metric] = (name, peers[name].ttft_ms[metric])
+    return out
+
+
+def _ms(value: float) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:,.0f}"
+
+
+def _pct(value: float) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.1%}"
+
+
+def axis_table(verdicts: Sequence[Verdict]) -> str:
+    """One axis as Markdown: per cell the bounds, kvrouter, the best peer, the ratios."""
+    lines = [
+        "| cell | bound: hit / TTFT p50 / p95 | kvrouter: hit / p50 / p95 | best peer: hit / p50 "
+        "/ p95 | hit vs best peer | p50 best peer / kvrouter | p95 best peer / kvrouter | "
+        "goal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        bound, kv = v.doc.get("bound", {}), v.kv
+        floor = bound.get("ttft_floor_ms", {})
+        best = v.best
+        peer = (
+            " / ".join(
+                (
+                    f"{_pct(best['hit_rate'][1])} ({best['hit_rate'][0]})",
+                    f"{_ms(best['p50'][1])} ({best['p50'][0]})",
+                    f"{_ms(best['p95'][1])} ({best['p95'][0]})",
+                )
+            )
+            if best
+            else "-"
+        )
+        mine = (
+            f"{_pct(kv.hit_rate)} / {_ms(kv.ttft_ms['p50'])} / {_ms(kv.ttft_ms['p95'])}"
+            if kv
+            else "-"
+        )
+        goal = ("met" if v.met else "**missed**") + (" (events)" if v.cell.events else "")
+        hit = v.ratio("hit_rate")
+        lines.append(
+            f"| {v.cell.label} | {_pct(bound.get('ideal_hit_rate', math.nan))} / "
+            f"{_ms(floor.get('p50', math.nan))} / {_ms(floor.get('p95', math.nan))} | {mine} | "
+            f"{peer} | {'-' if math.isnan(hit) else f'{hit:+.1f} pts'} | "
+            f"{v.ratio('p50'):.2f}x | {v.ratio('p95'):.2f}x | {goal} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+AXIS_TITLES: Final = {
+    "cache": "KV cache per engine (blocks of 16 tokens; 8 req/s)",
+    "load": "load, share of the ideal capacity (1,024 blocks)",
+    "routers": "routers behind haproxy (700 blocks, 8 req/s)",
+    "bypass": "outside traffic straight to the engines (700 blocks, 8 req/s)",
+    "restart": "an engine restarted mid-run (700 blocks, 8 req/s)",
+    "conversation": "conversation traffic",
+}
+
+
+def report(verdicts: Sequence[Verdict]) -> str:
+    """Every axis's table, in axis order."""
+    parts = []
+    for axis in AXES:
+        mine = [v for v in verdicts if v.cell.axis == axis]
+        if mine:
+            parts.append(f"**{AXIS_TITLES[axis]}**\n\n{axis_table(mine)}")
+    return "\n".join(parts)
+
+
+def full_tables(verdicts: Sequence[Verdict]) -> str:
+    """Every cell's whole per-policy table (docs/matrix.md)."""
+    parts = []
+    for v in verdicts:
+        meta = v.doc
+        parts.append(
+            f"### {v.cell.axis}: {v.cell.label}\n\n"
+            f"{meta['workload']['name']}, {meta['requests']} requests, "
+            f"{meta['fleet']['replicas']} engines x {meta['fleet']['num_blocks']} blocks, "
+            f"{meta['fleet']['routers']} router(s), {meta['rate_rps']:.1f} req/s "
+            f"({meta['load']:.0%} of the ideal capacity), time scale {meta['time_scale']:g}; "
+            f"run {meta['date']}\n\n{policy_table(v.summaries, [])}"
+        )
+    return "\n".join(parts)
+
+
+def replace_section(text: str, body: str) -> str:
+    """``text`` with the part between the matrix markers replaced by ``body``."""
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise ConfigError(f"no {README_BEGIN} ... {README_END} section to rewrite")
+    return text[: start + len(README_BEGIN)] + "\n" + body + text[end:]
+
+
+def load_verdicts(settings: MatrixSettings) -> list[Verdict]:
+    out = []
+    for cell in cells(settings.axis_list):
+        path = Path(settings.out) / f"{cell.key}.json"
+        if path.exists():
+            out.append(verdict(cell, json.loads(path.read_text())))
+    return out
+
+
+def run(settings: MatrixSettings) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    failed = 0
+    if not settings.report:
+        for cell in cells(settings.axis_list):
+            path = Path(settings.out) / f"{cell.key}.json"
+            if path.exists() and not settings.force:
+                continue
+            doc = run_cell(cell, settings, path)
+            failed += sum(int(p.get("errors") or 0) for p in doc["policies"].values())
+    verdicts = load_verdicts(settings)
+    text = report(verdicts)
+    print(text)
+    if settings.readme:
+        readme = Path(settings.readme)
+        readme.write_text(replace_section(readme.read_text(), text))
+    if settings.doc:
+        Path(settings.doc).write_text(
+            "# Scenario matrix: every cell's full table\n\n"
+            "Generated by `kvrouter matrix` from `bench/results/matrix/` (latencies in "
+            "simulated H200 ms; see docs/benchmarks.md for the method).\n\n" + full_tables(verdicts)
+        )
+    if settings.plots:
+        from bench.plots import matrix_plots  # matplotlib is slow to import
+
+        for path in matrix_plots(verdicts, Path(settings.plots)):
+            print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+MATRIX = Command(
+    "matrix",
+    "run every routing policy, real peers included, across the scenario matrix; report",
+    MatrixSettings,
+    run,
+)

@@ -1,0 +1,128 @@
+"""The policy when caches cannot hold every prefix: homes, eviction regret, busy fleets."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.policy import (
+    DEFAULT_SPEED,
+    PolicyConfig,
+    ReplicaState,
+    decide,
+    eviction_regret,
+    fleet_of,
+    projected_kv_usage,
+    score_replica,
+)
+
+CONFIG = PolicyConfig()
+PROMPT = 3200  # a 3,000-token system prompt and a question: 200 blocks of 16
+PREFIX = 187  # blocks of the shared system prompt
+CACHE = 700  # blocks per engine: four such prefixes do not fit
+COLD_MS = DEFAULT_SPEED.prefill_ms(PROMPT)
+
+
+def full(name: str, **fields: object) -> ReplicaState:
+    """A replica whose cache is full (every miss evicts), average churn."""
+    values: dict[str, object] = {"cache_blocks": CACHE, "resident_blocks": CACHE, "churn": 1.0}
+    values.update(fields)
+    return ReplicaState(name, **values)  # type: ignore[arg-type]
+
+
+def choose(states: list[ReplicaState], seed: int = 0) -> str:
+    return decide(PROMPT, states, CONFIG, random.Random(seed)).replica
+
+
+@pytest.mark.parametrize("queued_prefills", [0, 1, 2])
+def test_a_group_stays_home_through_a_short_busy_spell(queued_prefills: int) -> None:
+    """Home holds the prefix and has a few cold prefills queued; the others are idle."""
+    home = full(
+        "home",
+        matched_blocks=PREFIX,
+        matched_gpu_blocks=PREFIX,
+        home_blocks=PREFIX,
+        inflight=queued_prefills,
+        queued_prefill_tokens=queued_prefills * PROMPT,
+    )
+    others = [full(f"idle-{i}") for i in range(3)]
+    assert all(choose([*others, home], seed) == "home" for seed in range(20))
+
+
+def test_a_prefix_evicted_at_home_stays_home() -> None:
+    """Nothing of the prompt is cached anywhere; only the home claim tells them apart."""
+    home = full("home", home_blocks=PREFIX, inflight=1)
+    others = [full(f"other-{i}", inflight=1) for i in range(3)]
+    assert all(choose([*others, home], seed) == "home" for seed in range(20))
+    # the evicted home still pays its recompute: no TTFT advantage, only the split it avoids
+    scores = decide(PROMPT, [*others, home], CONFIG, random.Random(0)).scores
+    assert len({round(s.expected_ttft_ms, 6) for s in scores}) == 1
+
+
+def test_an_overloaded_home_lets_its_prefix_go() -> None:
+    queue = 30 * PROMPT  # thirty cold prefills ahead: seconds of waiting
+    home = full("home", home_blocks=PREFIX, inflight=30, queued_prefill_tokens=queue)
+    others = [full(f"other-{i}", inflight=1) for i in range(3)]
+    assert choose([*others, home]) != "home"
+
+
+def test_a_new_prefix_goes_where_it_evicts_least() -> None:
+    # room left in one cache: its new blocks evict nothing there
+    roomy = ReplicaState("roomy", cache_blocks=CACHE, resident_blocks=300, churn=1.0)
+    assert choose([full("a"), full("b"), roomy]) == "roomy"
+    # every cache full: where it turns over slowest, the blocks pushed out are oldest
+    slow, fast = full("slow", churn=0.5), full("fast", churn=1.8)
+    assert all(choose([fast, slow], seed) == "slow" for seed in range(20))
+    # but not at any price: a slow-churn replica with a long queue loses to an idle one
+    queued = full("slow", churn=0.5, inflight=6, queued_prefill_tokens=6 * PROMPT)
+    assert choose([fast, queued]) == "fast"
+
+
+def test_eviction_regret() -> None:
+    assert eviction_regret(ReplicaState("unknown"), 100) == 1.0
+    room = ReplicaState("r", cache_blocks=1000, resident_blocks=850)
+    assert eviction_regret(room, 100) == 0.0  # fits in the room
+    assert eviction_regret(room, 200) == pytest.approx(0.25)  # 50 of 200 evict
+    assert eviction_regret(full("f", churn=2.0), 10) == 2.0
+    assert eviction_regret(full("f", churn=50.0), 10) == 3.0  # clipped
+    assert eviction_regret(full("f", churn=None), 10) == 1.0
+
+
+def test_misses_cost_more_on_a_busy_fleet() -> None:
+    """Sending a prompt away from its cache spends compute that delays what runs beside it."""
+    warm = full("warm", matched_blocks=PREFIX, matched_gpu_blocks=PREFIX, home_blocks=PREFIX)
+    cold = full("cold")
+    light = [warm, cold]
+    busy = [
+        full("warm", matched_blocks=PREFIX, matched_gpu_blocks=PREFIX, home_blocks=PREFIX,
+             inflight=8),
+        full("cold", inflight=8),
+    ]  # fmt: skip
+    assert fleet_of(PROMPT, light, CONFIG).busy == 0
+    assert fleet_of(PROMPT, busy, CONFIG).busy == 8
+
+    def gap(states: list[ReplicaState]) -> float:
+        scores = decide(PROMPT, states, CONFIG, random.Random(0)).scores
+        return scores[0].score - scores[1].score
+
+    assert gap(busy) > 4 * gap(light) > 0
+
+
+def test_kv_memory_a_request_will_hold_counts_before_the_engine_reports_it() -> None:
+    state = ReplicaState("r", kv_usage=0.8, cache_blocks=1000)
+    assert projected_kv_usage(state, 1600, 16) == pytest.approx(0.9)
+    assert projected_kv_usage(ReplicaState("r", kv_usage=0.8), 1600, 16) == 0.8
+    assert projected_kv_usage(ReplicaState("r"), 1600, 16) is None
+    # a long answer fills the cache: the penalty starts above the 90 % watermark
+    short = score_replica(1000, state, CONFIG, output_tokens=100)
+    long = score_replica(1000, state, CONFIG, output_tokens=3000)
+    assert short.queue_ms == pytest.approx(0.0)
+    assert long.queue_ms > 100
+    roomy = ReplicaState("roomy", kv_usage=0.2, cache_blocks=1000)
+    assert decide(1000, [state, roomy], CONFIG, random.Random(0), 3000).replica == "roomy"
+
+
+def test_ties_go_to_the_least_busy() -> None:
+    states = [ReplicaState("a", inflight=3), ReplicaState("b", inflight=1)]
+    assert all(decide(100, states, CONFIG, random.Random(s)).replica == "b" for s in range(20))
