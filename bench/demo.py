@@ -11,8 +11,6 @@ spread over. It is ``kvrouter bench --quick`` with two policies and a shorter re
 from __future__ import annotations
 
 import logging
-import statistics
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +20,7 @@ from rich.table import Table
 from bench.commands import BenchSettings, plan
 from bench.console import Console, summaries_of
 from bench.harness import Harness, PolicyRun
+from bench.report import engines_per_group
 from tracker.cli import Command
 from tracker.config import LogSettings
 from tracker.settings import setting
@@ -45,15 +44,6 @@ class DemoSettings(LogSettings):
     seed: int = setting(1, "workload seed")
 
 
-def _spread(run: PolicyRun) -> float:
-    """Mean number of engines each prompt group was sent to."""
-    engines: dict[int, set[str]] = defaultdict(set)
-    for result in run.results:
-        if result.ok:
-            engines[result.group].add(result.replica)
-    return statistics.fmean(len(e) for e in engines.values()) if engines else 0.0
-
-
 def compare(runs: Sequence[PolicyRun], time_scale: float, out: RichConsole) -> None:
     """The side-by-side table and the ratios."""
     summaries = summaries_of(runs, time_scale)
@@ -68,7 +58,7 @@ def compare(runs: Sequence[PolicyRun], time_scale: float, out: RichConsole) -> N
             f"{s.ttft_ms['p95']:,.0f}",
             f"{s.e2e_ms['p50']:,.0f}",
             f"{s.hit_rate:.1%}",
-            f"{_spread(run):.1f}",
+            f"{engines_per_group([r for r in run.results if r.ok]):.1f}",
         )
     out.print(table)
     rr, kv = summaries.get("round-robin"), summaries.get("kvrouter")

@@ -2,10 +2,10 @@
 
 Each cell of the matrix is one ``kvrouter bench`` run (:mod:`bench.harness`): one fleet, one
 workload, every policy in turn with the same arrivals. The axes vary one thing each around a
-base scenario — 4 simulated engines, 16 groups sharing ~3,000-token system prompts, 20
+base scenario — 4 simulated engines, 10 groups sharing ~4,800-token system prompts, 32
 questions each (320 requests), 64 output tokens — and every cell carries its bounds: the
 workload's ideal hit rate and the analytic TTFT floor (:func:`bench.capacity.ttft_floors`).
-Cells replay 320 requests (16 x 20) at 8 req/s unless the axis varies that, time scale 3.
+Cells replay 320 requests (10 x 32) at 8 req/s unless the axis varies that, time scale 3.
 
 =============  ===========================================================================
 axis           cells
@@ -52,12 +52,15 @@ from tracker.settings import setting
 from tracker.tokens import Tokenizer
 
 AXES: Final = ("cache", "load", "routers", "bypass", "restart", "conversation")
+# 10 groups x 32: 3 % of the requests are their group's first (cold), so TTFT p95 measures
+# the hits and what delays them, p99 the cold prefills (with 5 % cold, p95 sat on the edge
+# and one extra miss moved it by half)
 BASE: Final[dict[str, Any]] = {
     "workload": "gsp",
     "replicas": 4,
-    "groups": 16,
-    "prompts_per_group": 20,
-    "system_tokens": 3000,
+    "groups": 10,
+    "prompts_per_group": 32,
+    "system_tokens": 4800,
     "question_tokens": 150,
     "output_tokens": 64,
 }
@@ -72,7 +75,7 @@ POLICIES_DEFAULT: Final = (
     "vllm-cache",
     "smg",
 )
-PRESSURE: Final = 700  # blocks: the 16 prefixes (3,008 blocks) do not fit in 4 x 700
+PRESSURE: Final = 700  # blocks: the 10 prefixes (3,010 blocks) do not fit in 4 x 700
 EVENT_AXES: Final = ("routers", "bypass", "restart")  # where only events know the truth
 README_BEGIN: Final = "<!-- bench:matrix:begin -->"
 README_END: Final = "<!-- bench:matrix:end -->"
@@ -93,10 +96,14 @@ class Cell:
     events: bool = False
 
     @property
+    def digest(self) -> str:
+        """Of the settings alone: cells of equal settings (on two axes) share one run."""
+        return hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:8]
+
+    @property
     def key(self) -> str:
-        """Names the result file; cells of equal settings share one run."""
-        digest = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()
-        return f"{_slug(self.axis)}-{_slug(self.label)}-{digest[:8]}"
+        """Names the result file."""
+        return f"{_slug(self.axis)}-{_slug(self.label)}-{self.digest}"
 
 
 def _slug(text: str) -> str:
@@ -227,6 +234,13 @@ def run_cell(cell: Cell, settings: MatrixSettings, path: Path) -> dict[str, Any]
     console.table(summaries, f"[{cell.axis}] {cell.label}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
+    # every request's outcome beside it, compact, for analysis (not kept in git)
+    fields = ("sent_s", "ttft_s", "e2e_s", "replica", "group", "cached_tokens", "prompt_tokens")
+    raw = {
+        "fields": fields,
+        "results": {r.policy: [[getattr(x, f) for f in fields] for x in r.results] for r in runs},
+    }
+    path.with_suffix(".raw.json").write_text(json.dumps(raw) + "\n")
     return doc
 
 
@@ -382,11 +396,19 @@ def replace_section(text: str, body: str) -> str:
     return text[: start + len(README_BEGIN)] + "\n" + body + text[end:]
 
 
+def result_path(cell: Cell, directory: Path) -> Path | None:
+    """The cell's result file, or another cell's of the same settings; None if not run yet."""
+    own = directory / f"{cell.key}.json"
+    if own.exists():
+        return own
+    return next(iter(sorted(directory.glob(f"*-{cell.digest}.json"))), None)
+
+
 def load_verdicts(settings: MatrixSettings) -> list[Verdict]:
     out = []
     for cell in cells(settings.axis_list):
-        path = Path(settings.out) / f"{cell.key}.json"
-        if path.exists():
+        path = result_path(cell, Path(settings.out))
+        if path is not None:
             out.append(verdict(cell, json.loads(path.read_text())))
     return out
 
@@ -396,10 +418,9 @@ def run(settings: MatrixSettings) -> int:
     failed = 0
     if not settings.report:
         for cell in cells(settings.axis_list):
-            path = Path(settings.out) / f"{cell.key}.json"
-            if path.exists() and not settings.force:
+            if not settings.force and result_path(cell, Path(settings.out)) is not None:
                 continue
-            doc = run_cell(cell, settings, path)
+            doc = run_cell(cell, settings, Path(settings.out) / f"{cell.key}.json")
             failed += sum(int(p.get("errors") or 0) for p in doc["policies"].values())
     verdicts = load_verdicts(settings)
     text = report(verdicts)

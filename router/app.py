@@ -228,6 +228,10 @@ class Router:
             "blocks": len(placement.keys),
             "fallback": placement.fallback,
             "replicas": replicas,
+            "homes": {
+                replica: {"blocks": home.blocks, "age_s": round(home.age_s, 3)}
+                for replica, home in sorted(placement.homes.items())
+            },
             "decision": {
                 "replica": decision.replica,
                 "mode": decision.mode,

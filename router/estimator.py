@@ -1,4 +1,10 @@
-"""Online estimates of each replica's prefill speed, learned from the TTFTs the router sees.
+"""Online estimates of prefill speed, learned from the TTFTs the router sees.
+
+The router keeps one estimate per *model*, pooled over its replicas (:class:`SpeedBook` is
+keyed by whatever its caller chooses). Per-replica estimates biased routing: a replica that
+mostly served cache hits saw too few long prefills to identify its slope, learned a smaller
+one, looked cheapest for every cold prompt and was sent every new prefix (docs/architecture.md,
+"Score").
 
 Model: ``ttft_ms = floor_ms + prefill_ms_per_token * tokens_ahead`` where ``tokens_ahead``
 is the prefill work in front of the request's first token when it was dispatched (tokens

@@ -91,6 +91,7 @@ class Placement:
     :param matches: every replica's cached run of ``keys`` (empty on a fallback).
     :param fallback: why the index was not used (``None`` when it was).
     :param stages: seconds spent per stage.
+    :param homes: the replicas routers last sent prefixes of the prompt to.
     """
 
     model: str
@@ -101,6 +102,7 @@ class Placement:
     decision: Decision
     fallback: str | None = None
     stages: dict[str, float] = field(default_factory=dict)
+    homes: dict[str, Home] = field(default_factory=dict)
 
     def order(self) -> list[str]:
         """Candidates best first, the chosen one leading."""
@@ -249,7 +251,9 @@ class Placer:
                     decision=decision,
                     fallback=fallback,
                 )
-        return Placement(model, namespace, len(ids), keys, view.matches, decision, fallback, stages)
+        return Placement(
+            model, namespace, len(ids), keys, view.matches, decision, fallback, stages, view.homes
+        )
 
     def _states(
         self, model: str, block_size: int, candidates: Sequence[Replica], view: SharedView

@@ -1,7 +1,7 @@
-"""Routing policy: pick the replica with the lowest expected time to first token; pure, no I/O.
+"""Routing policy: the lowest expected TTFT plus what the choice costs others; pure, no I/O.
 
-Expected TTFT model (``mode="ttft"``, the default)
----------------------------------------------------
+Score (``mode="ttft"``, the default), in milliseconds
+-----------------------------------------------------
 
 For a prompt of ``P`` tokens, a replica whose cached chain covers ``matched_blocks`` blocks of
 ``B`` tokens (``matched_gpu_blocks`` of them in GPU memory, the rest in an offload tier) and
@@ -11,21 +11,31 @@ whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
     gpu        = min(matched_gpu_blocks, usable) * B  # and reuses full blocks only
     offload    = usable * B - gpu
     uncached   = P - usable * B
+    active     = max(inflight, engine_running + engine_waiting)
     unseen     = max(0, engine_waiting - inflight)    # waiting requests no router sent
-    pressure   = max(0, kv_usage - kv_high_watermark) / (1 - kv_high_watermark)
+    usage      = projected KV usage: the engine's gauge (scaled by what is still in flight)
+                 plus this request's uncached prompt and output blocks
     queue_ms   = s * (queued_prefill_tokens + unseen * unseen_request_tokens)
-                 + decode_ms_per_request * max(inflight, engine_running + engine_waiting)
-                 + kv_full_penalty_ms * pressure
+                 + decode_ms_per_request * active
+                 + kv_full_penalty_ms * max(0, usage - kv_high_watermark) / (1 - watermark)
     own_work   = uncached + offload_hit_cost * offload
-    prefill_ms = f + s * own_work
-    expected_ttft_ms = queue_ms + prefill_ms
-    score      = -(expected_ttft_ms + (miss_weight - 1) * s * own_work)
+    expected_ttft_ms = queue_ms + f + s * own_work
+    compute    = s * own_work * active                # the requests in flight beside it wait
+    share      = the part of the uncached blocks that evict cached ones (0 while room is left)
+    split      = the deepest home claim on the prompt minus what this replica holds or claims
+    evict      = (miss_weight - 1) * s * (1 + busy) * (own_work * share * churn + split * share)
+    score      = -(expected_ttft_ms + compute + evict)
 
 ``queued_prefill_tokens`` is the uncached prompt work of requests every router has sent to
 the replica that have not produced their first token yet (:mod:`router.load`), so a queue and
 a cache miss are priced in the same unit: milliseconds of prefill. The engine's own
 ``/metrics`` (possibly stale, possibly absent) only add what the routers cannot know:
-requests from other clients, decode batch pressure, a full KV cache.
+requests from other clients, a full KV cache, the cache's size. ``busy`` is the candidates'
+mean ``active`` (:class:`Fleet`), ``churn`` how fast the replica's cache turns over relative
+to the others' (:func:`relative_churn`), ``share`` from the replica's residency in the index
+against its cache size (:func:`eviction_share`), the home claim from the routers' records of
+where the prompt's prefixes were sent (:class:`Fleet`, ``ReplicaState.home_blocks``).
+docs/architecture.md says why each term is there and what it changed, with numbers.
 
 Defaults and where they come from:
 
@@ -35,8 +45,8 @@ Defaults and where they come from:
   and a hit that leaves 32-128 tokens to prefill costs 23-38 ms whatever the cached length.
   That floor includes HF eager-mode overhead; vLLM with CUDA graphs is faster, and HTTP and
   scheduling add their own. These are only seeds: :mod:`router.estimator` learns ``f`` and
-  ``s`` per replica from the TTFTs the router observes: within a few dozen requests when
-  the seed has the right order of magnitude, a few hundred when it is 8x off (Llama-70B is
+  ``s`` per model from the TTFTs the router observes: within a few dozen requests when the
+  seed has the right order of magnitude, a few hundred when it is 8x off (Llama-70B is
   ~0.25 ms/token on one H200-equivalent; seed such fleets from configuration).
 * ``offload_hit_cost = 0.3``: loading Llama-8B's 128 KiB/token of KV over a ~50 GB/s host
   link is ~0.003 ms/token (10 % of recomputing it); 0.3 leaves room for the offload
@@ -48,18 +58,14 @@ Defaults and where they come from:
   to a prefill, it breaks near-ties towards the replica with the smaller batch.
 * ``kv_high_watermark = 0.9``, ``kv_full_penalty_ms = 250``: above 90 % KV usage vLLM starts
   to preempt and stops admitting; the penalty grows linearly to 250 ms at 100 %.
-* ``miss_weight = 2``: the score counts every token a replica would have to prefill twice.
-  Pure expected TTFT is myopic: when the replica holding a prompt's prefix has one cold
-  prefill queued, an idle replica looks as fast, and the greedy choice copies the prefix
-  there — KV memory that evicts other prefixes, and a shared prefix whose later requests
-  now split between two replicas. On the default benchmark (``kvrouter bench``: 64 groups
-  sharing 2k-token prompts on 8 KV-bound engines) weight 1 gave a 78 % engine hit rate and a
-  2.4 s TTFT p99 (preemptions, requests waiting for KV memory); see the README's routing results
-  (bench/results/routing-gsp-miss-weight-1.json).
-  The TTFT estimate itself (and what the estimator learns from) is unweighted.
+* ``miss_weight = 3``: a miss that evicts costs its prefill twice more (once for each later
+  miss it causes, roughly: the prefix it pushes out, and the group it splits), times
+  ``1 + busy``. 2 moved groups on short queue spikes under KV pressure, 4 held them through
+  real overload (docs/architecture.md). With room in the cache the term is 0.
 * ``tie_epsilon_ms = 1``: candidates within 1 ms of the best are a tie (below the
-  estimator's noise); one is picked at random. ``temperature > 0`` instead samples with
-  probability ``exp((score - best) / temperature)`` (temperature in ms).
+  estimator's noise), given to the one with the fewest requests in flight, then at random.
+  ``temperature > 0`` instead samples with probability ``exp((score - best) / temperature)``
+  (temperature in ms).
 
 Linear mode (``mode="linear"``)
 -------------------------------
@@ -82,7 +88,7 @@ from typing import Final, Literal
 
 Mode = Literal["ttft", "linear"]
 _LINEAR_TIE: Final = 1e-9
-MAX_CHURN: Final = 3.0  # relative churn is clipped: one noisy rate must not decide alone
+MAX_CHURN: Final = 2.0  # churn weighs evictions within [1/2, 2]
 MAX_KV_USAGE: Final = 1.5  # past this projected usage the KV penalty stops growing
 
 
@@ -284,9 +290,11 @@ def score_replica(
         # beside it. The blocks it writes push cached ones out (nothing while the cache has
         # room; worse where the cache turns over fastest: the blocks pushed out are young). And
         # leaving a prefix's home splits its group (the home will likely get it again): that
-        # costs the home's claim over again wherever the cache is full, churn or not.
-        held = max(usable * size, min(state.home_blocks * size, prompt_tokens))
-        split = max(0.0, min(fleet.home_tokens, prompt_tokens) - held)
+        # costs the home's claim over again wherever the cache is full, churn or not, even
+        # where the blocks are cached too (a copy left by outside traffic, or by an earlier
+        # split, that routing there would keep alive beside the home's).
+        claimed = min(state.home_blocks * size, prompt_tokens)
+        split = max(0.0, min(fleet.home_tokens, prompt_tokens) - claimed)
         s = speed.prefill_ms_per_token
         compute = s * own_work * active
         weight = (config.miss_weight - 1.0) * s * (1.0 + fleet.busy)
@@ -313,14 +321,19 @@ def score_replica(
 def projected_kv_usage(state: ReplicaState, new_tokens: float, block_size: int) -> float | None:
     """The replica's KV usage once this request holds its blocks (None: usage unknown).
 
-    The engine's own gauge (requests running now) plus the blocks this request will
-    allocate: its uncached prompt and its output. Without the cache's size only the gauge.
+    The engine's own gauge, scraped up to seconds ago: scaled down when fewer requests are
+    in flight now than were running then (they finished and freed their blocks), plus the
+    blocks this request will allocate: its uncached prompt and its output. Without the
+    cache's size only the gauge.
     """
     if state.kv_usage is None:
         return None
+    usage = state.kv_usage
+    if state.engine_running:
+        usage *= min(1.0, max(state.inflight, 1) / state.engine_running)
     if not state.cache_blocks:
-        return state.kv_usage
-    return state.kv_usage + new_tokens / block_size / state.cache_blocks
+        return usage
+    return usage + new_tokens / block_size / state.cache_blocks
 
 
 def eviction_share(state: ReplicaState, new_blocks: float) -> float:
@@ -336,12 +349,17 @@ def eviction_share(state: ReplicaState, new_blocks: float) -> float:
 
 
 def relative_churn(state: ReplicaState) -> float:
-    """The replica's churn relative to the candidates' mean, clipped (1 when unknown).
+    """How much the replica's churn weighs its evictions: 1 when unknown or average.
 
     Where the cache turns over fast, the blocks at the end of its LRU queue were used
-    recently and will be missed; where it is slow they are old.
+    recently and will be missed; where it is slow they are old. Churn is measured over the
+    last seconds and reacts to the routing itself, so it weighs as its square root, within
+    [1/2, 2]: enough to place new prefixes on quiet caches, not enough to chase the rate
+    from one cache to another.
     """
-    return 1.0 if state.churn is None else min(max(state.churn, 0.0), MAX_CHURN)
+    if state.churn is None:
+        return 1.0
+    return math.sqrt(min(max(state.churn, 1.0 / MAX_CHURN**2), MAX_CHURN**2))
 
 
 def eviction_regret(state: ReplicaState, new_blocks: float) -> float:

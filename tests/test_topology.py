@@ -142,15 +142,15 @@ def stack_factory(tmp_path: Path) -> Iterator[Any]:
     started: list[LocalStack] = []
 
     def start(**overrides: Any) -> LocalStack:
+        overrides.setdefault("num_blocks", 1024)
         config = StackConfig(
             model=MODEL,
             block_size=BLOCK_SIZE,
-            num_blocks=1024,
             time_scale=0.02,
             # A lookup that overruns its budget (10 ms by default) is answered by load alone
             # (kvrouter_router_fallbacks_total): by design, but on a busy 2-core machine a
             # fresh router's first lookups (connection, script load) can take that long.
-            router_args=("--lookup-timeout-ms", "250"),
+            router_args=("--lookup-timeout-ms", "250", *overrides.pop("router_args", ())),
             workdir=tmp_path / f"stack-{len(started)}",
             **overrides,
         )
@@ -189,3 +189,28 @@ def test_embedded_router_without_redis_colocates_too(stack_factory: Any) -> None
     assert_colocated(answers, stack.router_urls)
     assert chat_requests(stack.entry_url) == GROUPS * PER_GROUP
     assert_indexed_from_events(stack.entry_url, answers)
+
+
+@pytest.mark.redis
+def test_two_routers_keep_each_group_home_under_eviction_pressure(stack_factory: Any) -> None:
+    """Each cache holds about one group's prefix, three groups share each engine and come
+    round in turn, so a prefix is gone before its group returns: the home claims shared
+    through Redis keep each group on one engine, whichever router haproxy hands a request
+    to. (Without them, ``--home-ttl-s 0``, groups wandered over 2.1-2.3 engines each.)"""
+    groups, rounds = 12, 4
+    stack: LocalStack = stack_factory(replicas=4, routers=2, num_blocks=120)
+    served: dict[int, list[Answer]] = {g: [] for g in range(groups)}
+    for k in range(rounds):
+        for group in range(groups):
+            served[group].append(send(stack.entry_url, chat(group, k)))
+    evicted = sum(
+        a.cached_tokens < PREFIX_TOKENS - BLOCK_SIZE for g in served.values() for a in g[1:]
+    )
+    assert evicted >= groups, served  # the pressure is real: homes do not keep the blocks
+    engines = {g: {a.replica for a in answers} for g, answers in served.items()}
+    spread = sum(len(e) for e in engines.values()) / groups
+    why = (engines, router_counters(stack.router_urls))
+    assert spread <= 1.25, why
+    for answers in served.values():  # and the groups share the engines evenly
+        assert sum(a.replica == answers[0].replica for a in answers) >= rounds - 1, why
+    assert len({a.replica for answers in served.values() for a in answers}) == 4, why

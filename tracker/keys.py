@@ -125,8 +125,8 @@ def home_anchors(blocks: int) -> list[int]:
     """Positions of a chain of ``blocks`` whose keys carry its home: 0, 1, 3, 7, ... and the last.
 
     Doubling positions keep a claim to O(log n) writes and reads however long the prompt,
-    while telling the depth two prompts share within a factor of two; the last block
-    names the exact prompt, which is the prefix of the next turn of a conversation.
+    while telling the depth two prompts share within a factor of two (the events tell the
+    cached part exactly); the last block names the exact prompt (a retry, a resubmission).
     """
     if blocks <= 0:
         return []

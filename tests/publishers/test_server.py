@@ -49,13 +49,20 @@ async def serve() -> AsyncIterator[ServeFactory]:
     """Factory: an engine (100x faster than real) + app under uvicorn on a free port."""
     cleanups: list[Callable[[], Awaitable[None]]] = []
 
-    async def factory(max_model_len: int | None = None, **config: Any) -> Served:
+    async def factory(
+        max_model_len: int | None = None, engine_id: str | None = None, **config: Any
+    ) -> Served:
         engine = SimulatedEngine(EngineConfig(**{"time_scale": 0.01, **config}))
         await engine.start()
         tokenizer = Tokenizer.builtin()
         registry = CollectorRegistry()
         app = create_app(
-            engine, tokenizer, model=MODEL, registry=registry, max_model_len=max_model_len
+            engine,
+            tokenizer,
+            model=MODEL,
+            registry=registry,
+            max_model_len=max_model_len,
+            engine_id=engine_id,
         )
         server = HTTPServer(app, bind("127.0.0.1", 0), shutdown_timeout_s=1)
         await server.start()
@@ -325,6 +332,17 @@ async def test_request_ids(served: Served) -> None:
     assert len(generated.headers["x-request-id"]) == 32
     error = await served.post("/v1/completions", {"prompt": 3})
     assert error.status_code == 400 and "x-request-id" in error.headers
+
+
+async def test_the_engine_names_itself_and_its_cache_size(serve: ServeFactory) -> None:
+    named = await serve(engine_id="replica-7", num_blocks=300)
+    answer = await named.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert answer.headers["x-kvrouter-engine"] == "replica-7"
+    page = (await named.http.get("/metrics")).text
+    assert 'num_gpu_blocks="300"' in page and "vllm:cache_config_info{" in page
+    anonymous = await serve()
+    answer = await anonymous.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert "x-kvrouter-engine" not in answer.headers
 
 
 async def test_client_disconnect_aborts_the_request(serve: ServeFactory) -> None:

@@ -84,8 +84,10 @@ def test_eviction_regret() -> None:
     room = ReplicaState("r", cache_blocks=1000, resident_blocks=850)
     assert eviction_regret(room, 100) == 0.0  # fits in the room
     assert eviction_regret(room, 200) == pytest.approx(0.25)  # 50 of 200 evict
-    assert eviction_regret(full("f", churn=2.0), 10) == 2.0
-    assert eviction_regret(full("f", churn=50.0), 10) == 3.0  # clipped
+    # churn weighs as its square root, within [1/2, 2]
+    assert eviction_regret(full("f", churn=2.25), 10) == pytest.approx(1.5)
+    assert eviction_regret(full("f", churn=50.0), 10) == 2.0
+    assert eviction_regret(full("f", churn=0.0), 10) == 0.5
     assert eviction_regret(full("f", churn=None), 10) == 1.0
 
 
@@ -114,6 +116,9 @@ def test_kv_memory_a_request_will_hold_counts_before_the_engine_reports_it() -> 
     assert projected_kv_usage(state, 1600, 16) == pytest.approx(0.9)
     assert projected_kv_usage(ReplicaState("r", kv_usage=0.8), 1600, 16) == 0.8
     assert projected_kv_usage(ReplicaState("r"), 1600, 16) is None
+    # scraped with 4 running, 1 in flight now: 3 finished and freed their blocks since
+    stale = ReplicaState("r", kv_usage=0.8, engine_running=4, inflight=1, cache_blocks=1000)
+    assert projected_kv_usage(stale, 1600, 16) == pytest.approx(0.3)
     # a long answer fills the cache: the penalty starts above the 90 % watermark
     short = score_replica(1000, state, CONFIG, output_tokens=100)
     long = score_replica(1000, state, CONFIG, output_tokens=3000)
@@ -126,3 +131,17 @@ def test_kv_memory_a_request_will_hold_counts_before_the_engine_reports_it() -> 
 def test_ties_go_to_the_least_busy() -> None:
     states = [ReplicaState("a", inflight=3), ReplicaState("b", inflight=1)]
     assert all(decide(100, states, CONFIG, random.Random(s)).replica == "b" for s in range(20))
+
+
+def test_a_copy_left_by_outside_traffic_does_not_pull_a_group_from_home() -> None:
+    """A client that bypasses the routers left the prefix on another engine: routing there
+    would keep two copies alive in full caches; the group stays home, which also holds it."""
+    cached = {"matched_blocks": PREFIX, "matched_gpu_blocks": PREFIX}
+    home = full("home", home_blocks=PREFIX, inflight=1, **cached)
+    stray = full("stray", inflight=0, **cached)
+    assert all(choose([stray, home], seed) == "home" for seed in range(20))
+    # on a fleet with room to spare either copy will do: the idler one wins
+    roomy = {"cache_blocks": 4 * CACHE, "resident_blocks": CACHE}
+    home = ReplicaState("home", home_blocks=PREFIX, inflight=1, **cached, **roomy)
+    stray = ReplicaState("stray", **cached, **roomy)
+    assert choose([stray, home]) == "stray"

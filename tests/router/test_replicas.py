@@ -85,6 +85,14 @@ def test_engine_metrics_parsing() -> None:
     assert parse_engine_metrics(VLLM_METRICS, 1.0) == EngineLoad(4, 2, 0.75, 1.0)
     old = "vllm:gpu_cache_usage_perc 0.5\n"
     assert parse_engine_metrics(old, 2.0) == EngineLoad(None, None, 0.5, 2.0)
+    # the KV cache's size, from vLLM's info gauge (summed over data-parallel engines)
+    info = (
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="661"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="661"} 1.0\n'
+    )
+    assert parse_engine_metrics(VLLM_METRICS + info, 3.0).cache_blocks == 1322
+    unknown = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n'
+    assert parse_engine_metrics(unknown, 3.0).cache_blocks is None
 
 
 def _request(authorization: str | None) -> Request:

@@ -1,0 +1,132 @@
+"""The scenario matrix's cells, verdicts against the best peer, and its Markdown report."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.commands import BenchSettings, plan
+from bench.matrix import (
+    AXES,
+    README_BEGIN,
+    README_END,
+    Cell,
+    MatrixSettings,
+    axis_table,
+    cells,
+    load_verdicts,
+    replace_section,
+    report,
+    result_path,
+    verdict,
+)
+from bench.report import Summary, document
+from tracker.errors import ConfigError
+
+
+def summary(policy: str, p50: float, p95: float, hit: float) -> Summary:
+    return Summary(
+        policy=policy,
+        requests=10,
+        errors=0,
+        ttft_ms={"p50": p50, "p95": p95, "p99": p95, "mean": p50},
+        e2e_ms={"p50": 1.0, "p95": 1.0, "p99": 1.0, "mean": 1.0},
+        output_tokens_per_s=1.0,
+        hit_rate=hit,
+        prompt_tokens=100,
+        cached_tokens=int(100 * hit),
+        output_tokens=10,
+        per_replica={"a": 10},
+        decision_ms={"p50": 1.0, "p95": 1.0, "p99": 1.0, "mean": 1.0},
+        makespan_s=1.0,
+        wall_s=1.0,
+    )
+
+
+def doc(*summaries: Summary) -> dict[str, object]:
+    meta = {"bound": {"ideal_hit_rate": 0.8, "ttft_floor_ms": {"p50": 20.0, "p95": 90.0}}}
+    return json.loads(json.dumps(document(meta, {s.policy: s for s in summaries}, [])))
+
+
+def test_every_axis_has_cells_that_bench_accepts() -> None:
+    matrix = cells()
+    assert {c.axis for c in matrix} == set(AXES)
+    assert len({c.key for c in matrix}) == len(matrix)
+    for cell in matrix:
+        settings = BenchSettings(**cell.settings)
+        assert settings.policy_list  # the settings are valid bench settings
+    # the cells of one axis differ in what that axis varies
+    routers = [c for c in matrix if c.axis == "routers"]
+    assert [c.settings.get("routers", 1) for c in routers] == [1, 2, 4]
+    assert [c.events for c in matrix if c.axis == "cache"] == [False, False, True, True]
+    # the 1-router cell is the 700-block cache cell: one run serves both
+    cache_700 = next(c for c in matrix if c.axis == "cache" and c.label == "700")
+    assert cache_700.digest == routers[0].digest
+
+
+def test_a_cell_plans_with_its_bounds() -> None:
+    cell = next(c for c in cells(("cache",)) if c.label == "400")
+    chosen = plan(BenchSettings(**cell.settings))
+    assert chosen.fleet.num_blocks == 400 and chosen.workload.requests == 320
+    assert chosen.rate_rps == 8.0
+
+
+def test_verdict_against_the_best_peer_per_metric() -> None:
+    cell = Cell("routers", "4", {}, events=True)
+    found = verdict(
+        cell,
+        doc(
+            summary("kvrouter", 50, 100, 0.70),
+            summary("vllm-kv", 49, 150, 0.55),
+            summary("smg", 60, 140, 0.62),
+            summary("round-robin", 10, 10, 0.10),  # not a peer: never the benchmark
+        ),
+    )
+    assert found.best == {
+        "p50": ("vllm-kv", 49),
+        "p95": ("smg", 140),
+        "hit_rate": ("smg", 0.62),
+    }
+    assert found.ratio("p95") == pytest.approx(1.4)
+    assert found.ratio("hit_rate") == pytest.approx(8.0)
+    assert found.ties and found.wins and found.met  # p50 within 3 %
+    slower = verdict(
+        cell, doc(summary("kvrouter", 52, 100, 0.70), summary("vllm-kv", 49, 150, 0.7))
+    )
+    assert not slower.ties and not slower.met
+    even = verdict(cell, doc(summary("kvrouter", 49, 140, 0.63), summary("smg", 49, 140, 0.62)))
+    assert even.ties and not even.wins and not even.met  # events cells must win outright
+    plain = Cell("load", "25%", {})
+    assert verdict(plain, even.doc).met
+    alone = verdict(plain, doc(summary("kvrouter", 1, 1, 0.5)))
+    assert math.isnan(alone.ratio("p50")) and not alone.met
+
+
+def test_report_tables_and_the_readme_section(tmp_path: Path) -> None:
+    cell = Cell("bypass", "25%", {"x": 1}, events=True)
+    found = verdict(cell, doc(summary("kvrouter", 40, 90, 0.7), summary("smg", 41, 200, 0.6)))
+    table = axis_table([found])
+    assert "| 25% | 80.0% / 20 / 90 | 70.0% / 40 / 90 |" in table
+    assert "+10.0 pts" in table and "2.22x" in table and "met (events)" in table
+    assert report([found]).startswith("**outside traffic")
+    text = f"intro\n{README_BEGIN}\nold\n{README_END}\nrest\n"
+    assert replace_section(text, "new\n") == f"intro\n{README_BEGIN}\nnew\n{README_END}\nrest\n"
+    with pytest.raises(ConfigError):
+        replace_section("no markers", "x")
+    # results are found by cell, or by another cell of the same settings
+    settings = MatrixSettings(axes="routers", out=str(tmp_path))
+    one = next(c for c in cells(("routers",)) if c.label == "1")
+    shared = tmp_path / f"cache-700-{one.digest}.json"
+    shared.write_text(json.dumps(found.doc))
+    assert result_path(one, tmp_path) == shared
+    assert [v.cell.label for v in load_verdicts(settings)] == ["1"]
+
+
+def test_bad_matrix_settings() -> None:
+    with pytest.raises(ConfigError):
+        MatrixSettings(axes="cache,weather")
+    with pytest.raises(ConfigError):
+        MatrixSettings(policies="kvrouter,magic")

@@ -1,0 +1,50 @@
+"""The real peer routers as benchmark arms, end to end (only where they are installed).
+
+``pip install -e '.[peers]'`` installs vllm-router 0.1.17 and sglang-router 0.3.2; without
+them each arm is skipped with the reason. Every arm runs as its own process on the router's
+port in front of the same simulated engines, and must serve the whole workload with the
+prefixes reused (vllm-router's kv_aware from the engines' own KV events and replay).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.harness import FleetConfig, Harness
+from bench.peers import PEERS, missing
+from bench.report import summarize
+from bench.workloads import shared_prefix, with_poisson_arrivals
+
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+]
+
+
+@pytest.mark.parametrize("arm", sorted(PEERS))
+def test_peer_arm_serves_the_workload_in_front_of_the_same_engines(
+    arm: str, tmp_path: Path
+) -> None:
+    absent = missing([arm])
+    if absent:
+        pytest.skip(f"{arm}: {absent[arm]} is not installed (pip install -e '.[peers]')")
+    workload = shared_prefix(
+        groups=2,
+        prompts_per_group=4,
+        system_tokens=600,
+        question_tokens=32,
+        output_tokens=8,
+        seed=3,
+    )
+    workload = with_poisson_arrivals(workload, rate=4.0, seed=3)
+    fleet = FleetConfig(replicas=2, time_scale=1.0, num_blocks=512, workdir=tmp_path)
+    [run] = Harness(fleet, workload, (arm,)).run()
+    summary = summarize(run, fleet.time_scale)
+    assert summary.errors == 0, [r.error for r in run.results if r.error]
+    assert summary.requests == 8
+    assert sum(summary.per_replica.values()) == 8  # from the engines' own counters
+    assert summary.hit_rate > 0.3  # each group's prefix was reused after its first request
+    assert (tmp_path / "peer-0.log").exists()
