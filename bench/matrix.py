@@ -235,7 +235,16 @@ def run_cell(cell: Cell, settings: MatrixSettings, path: Path) -> dict[str, Any]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     # every request's outcome beside it, compact, for analysis (not kept in git)
-    fields = ("sent_s", "ttft_s", "e2e_s", "replica", "group", "cached_tokens", "prompt_tokens")
+    fields = (
+        "sent_s",
+        "ttft_s",
+        "e2e_s",
+        "replica",
+        "group",
+        "cached_tokens",
+        "prompt_tokens",
+        "bypass",
+    )
     raw = {
         "fields": fields,
         "results": {r.policy: [[getattr(x, f) for f in fields] for x in r.results] for r in runs},
