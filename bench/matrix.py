@@ -19,8 +19,10 @@ conversation   multi-turn chat with long answers; a conversation-shaped Mooncake
                engines with an H200's cache for an 8B model (58k blocks)
 =============  ===========================================================================
 
-Results go to one JSON file per cell (``--out``); a cell whose file exists is not run again
-unless ``--force`` (a long matrix can be resumed). ``--report`` renders the tables (and the
+Results go to one JSON file per cell (``--out``), with every request's outcome beside it
+(``.raw.json``, not kept in git); a cell whose file exists — or whose settings equal a cell
+already run (``routers 1`` is ``cache 700``) — is not run again unless ``--force`` (a long
+matrix can be resumed). ``--report`` renders the tables (and the
 plots with ``--plots``) from the files alone. The README's matrix section and
 docs/matrix.md are written from the same files.
 """

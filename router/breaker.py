@@ -4,7 +4,7 @@ A routing decision reads the index (placements) and the load board (every router
 one concurrent round trip bounded by ``budget_s``. Failures and timeouts count towards a
 :class:`CircuitBreaker`; while it is open the router does not even try and routes on its own
 load only. After the cool-down one request probes (half-open); success closes it again.
-Predictions are written in the background, never delaying a request.
+Predictions and home claims are written in the background, never delaying a request.
 """
 
 from __future__ import annotations

@@ -96,8 +96,9 @@ class RouterSettings(LogSettings):
     tie_epsilon_ms: float = setting(1.0, "expected TTFTs this close are a tie")
     miss_weight: float = setting(
         3.0,
-        "ttft policy: a miss costs (weight - 1) times its prefill again for the cached blocks "
-        "it evicts (1: none)",
+        "ttft policy: a miss that evicts, or leaves a prefix's home, costs (weight - 1) "
+        "times the prefill it causes again, times 1 + the fleet's mean requests in flight "
+        "(1: no such cost)",
     )
     lookup_timeout_ms: float = setting(10.0, "time budget of the index lookup and load snapshot")
     lookup_timeout_per_block_us: float = setting(

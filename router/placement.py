@@ -141,6 +141,8 @@ class Placer:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self.churn = ChurnBook()
+        # per replica: the engine scrape last seen and the routers' in-flight count then
+        self._scraped: dict[str, tuple[float, int]] = {}
         self._mixed: set[str] = set()
         self._policies: dict[int, PolicyConfig] = {}
 
@@ -268,7 +270,9 @@ class Placer:
         for replica in candidates:
             match = view.matches.get(replica.id) if replica.block_size == block_size else None
             load = view.loads.get(replica.id)
+            inflight = load.inflight if load else 0
             engine = self.replicas.engine_load(replica, now)
+            routed = self._routed_at(replica.id, engine.at, inflight) if engine else None
             # the index answered: a replica it has no count of holds nothing
             resident = (
                 view.residency.get(replica.id, _NOTHING)
@@ -280,10 +284,11 @@ class Placer:
                     replica.id,
                     matched_blocks=match.blocks if match else 0,
                     matched_gpu_blocks=match.gpu_blocks if match else 0,
-                    inflight=load.inflight if load else 0,
+                    inflight=inflight,
                     queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
                     engine_waiting=engine.waiting if engine else None,
                     engine_running=engine.running if engine else None,
+                    routed_at_scrape=routed,
                     kv_usage=engine.kv_usage if engine else None,
                     speed=speed,
                     cache_blocks=replica.cache_blocks,
@@ -293,6 +298,16 @@ class Placer:
                 )
             )
         return states
+
+    def _routed_at(self, replica: str, scraped_at: float, inflight: int) -> int:
+        """The routers' requests in flight when the engine's gauges were scraped: the count
+        at the first decision after that scrape (the scrape is one per second, decisions are
+        milliseconds apart under load; the rest of the engine's running ones are outside
+        traffic)."""
+        seen = self._scraped.get(replica)
+        if seen is None or seen[0] != scraped_at:
+            seen = self._scraped[replica] = (scraped_at, inflight)
+        return seen[1]
 
     def _home(self, home: Home | None) -> float:
         """A home claim's weight in blocks: its depth, fading linearly to 0 over its TTL."""

@@ -14,15 +14,16 @@ whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
     active     = max(inflight, engine_running + engine_waiting)
     unseen     = max(0, engine_waiting - inflight)    # waiting requests no router sent
     usage      = projected KV usage: the engine's gauge (scaled by what is still in flight)
-                 plus this request's uncached prompt and output blocks
+                 plus this request's uncached, offloaded and output blocks
     queue_ms   = s * (queued_prefill_tokens + unseen * unseen_request_tokens)
                  + decode_ms_per_request * active
-                 + kv_full_penalty_ms * max(0, usage - kv_high_watermark) / (1 - watermark)
+                 + kv_full_penalty_ms * (min(usage, 1.5) - kv_high_watermark)
+                   / (1 - kv_high_watermark)      # above the watermark only
     own_work   = uncached + offload_hit_cost * offload
     expected_ttft_ms = queue_ms + f + s * own_work
     compute    = s * own_work * active                # the requests in flight beside it wait
-    share      = the part of the uncached blocks that evict cached ones (0 while room is left)
-    split      = the deepest home claim on the prompt minus what this replica holds or claims
+    share      = the part of the new blocks that evict cached ones (0 while room is left)
+    split      = the deepest home claim on the prompt minus this replica's own claim
     evict      = (miss_weight - 1) * s * (1 + busy) * (own_work * share * churn + split * share)
     score      = -(expected_ttft_ms + compute + evict)
 
@@ -57,7 +58,8 @@ Defaults and where they come from:
   step; for Llama-8B at 2k context that is 256 MiB, ~0.05 ms of H200 bandwidth. Small next
   to a prefill, it breaks near-ties towards the replica with the smaller batch.
 * ``kv_high_watermark = 0.9``, ``kv_full_penalty_ms = 250``: above 90 % KV usage vLLM starts
-  to preempt and stops admitting; the penalty grows linearly to 250 ms at 100 %.
+  to preempt and stops admitting; the penalty grows linearly, 250 ms at 100 % projected
+  usage, up to 1,250 ms at 150 % (a request that would not fit at all).
 * ``miss_weight = 3``: a miss that evicts costs its prefill twice more (once for each later
   miss it causes, roughly: the prefix it pushes out, and the group it splits), times
   ``1 + busy``. 2 moved groups on short queue spikes under KV pressure, 4 held them through
@@ -74,8 +76,8 @@ The issue card's form ``score = hit_weight * matched - load_weight * inflight`` 
 ``matched = gpu_blocks + (1 - offload_hit_cost) * offload_blocks`` (usable blocks only).
 It is unitless (one request in flight cancels ``load_weight / hit_weight`` cached blocks,
 whatever the block size, model or GPU) and needs tuning per fleet; kept for comparison and
-A/B runs. Only exact ties are broken at random. The TTFT estimate is still computed for
-every candidate, for logs.
+A/B runs. Exact ties go to the fewest requests in flight, then at random. The TTFT
+estimate is still computed for every candidate, for logs.
 """
 
 from __future__ import annotations
@@ -127,6 +129,9 @@ class ReplicaState:
         mean; from the rate its events store new blocks); None when unknown.
     :param home_blocks: how much of the prompt's chain routers last sent here (its home
         claim, faded with age), whether or not those blocks are still cached.
+    :param routed_at_scrape: the routers' requests in flight on it when ``kv_usage`` was
+        scraped (the rest of ``engine_running`` came from other clients); None: unknown,
+        every running request counts as the routers'.
     """
 
     id: str
@@ -142,6 +147,7 @@ class ReplicaState:
     resident_blocks: int | None = None
     churn: float | None = None
     home_blocks: float = 0.0
+    routed_at_scrape: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +210,9 @@ class Score:
     score: float
     work_tokens: float = 0.0
     regret: float = 1.0
+    compute_ms: float = 0.0
+    evict_ms: float = 0.0
+    split_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +242,7 @@ class Fleet:
     busy: float = 0.0
 
 
-def fleet_of(prompt_tokens: int, candidates: Sequence[ReplicaState], config: PolicyConfig) -> Fleet:
+def fleet_of(candidates: Sequence[ReplicaState], config: PolicyConfig) -> Fleet:
     """The :class:`Fleet` facts of one decision."""
     home = max((s.home_blocks for s in candidates), default=0.0) * config.block_size
     active = [_active(s) for s in candidates]
@@ -275,7 +284,7 @@ def score_replica(
     queued = _queued_tokens(state, config)
     active = _active(state)
     queue_ms = speed.prefill_ms_per_token * queued + config.decode_ms_per_request * active
-    usage = projected_kv_usage(state, uncached + output_tokens, size)
+    usage = projected_kv_usage(state, uncached + offload + output_tokens, size)
     if usage is not None and usage > config.kv_high_watermark:
         excess = min(usage, MAX_KV_USAGE) - config.kv_high_watermark
         queue_ms += config.kv_full_penalty_ms * excess / (1.0 - config.kv_high_watermark)
@@ -283,8 +292,9 @@ def score_replica(
     own_work = uncached + config.offload_hit_cost * offload
     prefill_ms = speed.prefill_ms(own_work)
     ttft = queue_ms + prefill_ms
-    share = eviction_share(state, uncached / size)
+    share = eviction_share(state, (uncached + offload) / size)  # offload hits load into GPU
     regret = share * relative_churn(state)
+    compute = evict = split = 0.0
     if config.mode == "ttft":
         # What a miss costs beyond its own TTFT. Its compute delays the requests in flight
         # beside it. The blocks it writes push cached ones out (nothing while the cache has
@@ -315,22 +325,28 @@ def score_replica(
         score=value,
         work_tokens=queued + own_work,
         regret=regret,
+        compute_ms=compute,
+        evict_ms=evict,
+        split_tokens=split,
     )
 
 
 def projected_kv_usage(state: ReplicaState, new_tokens: float, block_size: int) -> float | None:
     """The replica's KV usage once this request holds its blocks (None: usage unknown).
 
-    The engine's own gauge, scraped up to seconds ago: scaled down when fewer requests are
-    in flight now than were running then (they finished and freed their blocks), plus the
-    blocks this request will allocate: its uncached prompt and its output. Without the
-    cache's size only the gauge.
+    The engine's own gauge, scraped up to seconds ago: scaled down when fewer of the
+    routers' requests are in flight now than then (they finished and freed their blocks;
+    requests from other clients are taken to be still running), plus the blocks this
+    request will allocate: its uncached prompt and its output. Without the cache's size
+    only the gauge.
     """
     if state.kv_usage is None:
         return None
     usage = state.kv_usage
     if state.engine_running:
-        usage *= min(1.0, max(state.inflight, 1) / state.engine_running)
+        routed = state.engine_running if state.routed_at_scrape is None else state.routed_at_scrape
+        outside = max(0, state.engine_running - routed)
+        usage *= min(1.0, (outside + max(state.inflight, 1)) / state.engine_running)
     if not state.cache_blocks:
         return usage
     return usage + new_tokens / block_size / state.cache_blocks
@@ -339,8 +355,8 @@ def projected_kv_usage(state: ReplicaState, new_tokens: float, block_size: int) 
 def eviction_share(state: ReplicaState, new_blocks: float) -> float:
     """The share of ``new_blocks`` written on the replica that push a cached block out.
 
-    None while the cache has never-used room; all of them when its size or residency is
-    unknown.
+    0 while the cache has never-used room for them; 1 (all of them) when its size or
+    residency is unknown.
     """
     if state.cache_blocks is None or state.resident_blocks is None or new_blocks <= 0:
         return 1.0
@@ -362,11 +378,6 @@ def relative_churn(state: ReplicaState) -> float:
     return math.sqrt(min(max(state.churn, 1.0 / MAX_CHURN**2), MAX_CHURN**2))
 
 
-def eviction_regret(state: ReplicaState, new_blocks: float) -> float:
-    """How much writing ``new_blocks`` on the replica costs others, relative to the mean."""
-    return eviction_share(state, new_blocks) * relative_churn(state)
-
-
 def decide(
     prompt_tokens: int,
     candidates: Sequence[ReplicaState],
@@ -374,13 +385,14 @@ def decide(
     rng: random.Random,
     output_tokens: int = 0,
 ) -> Decision:
-    """Score every candidate and pick one (best score; random among ties; or softmax).
+    """Score every candidate and pick one (best score; ties to the least busy, then at
+    random; or a softmax).
 
     :raises ValueError: if there are no candidates.
     """
     if not candidates:
         raise ValueError("no candidate replicas to choose from")
-    fleet = fleet_of(prompt_tokens, candidates, config)
+    fleet = fleet_of(candidates, config)
     scores = tuple(
         score_replica(prompt_tokens, state, config, output_tokens, fleet) for state in candidates
     )

@@ -15,7 +15,8 @@ key                             type   content
 ``P:T:p:<bucket hex4>``         HASH   predictions (router): block key -> 8 bytes per
                                        replica: rid (2 B) + expiry, Redis time ms (6 B)
 ``P:T:h:<bucket hex4>``         HASH   homes (router): anchor block key -> rid (2 B) + the
-                                       time it was routed there, Redis time ms (6 B)
+                                       time it was routed there + its expiry, Redis time
+                                       ms (6 B each)
 ``P:T:rid``                     HASH   replica id -> short numeric rid (1..16383)
 ``P:T:rname``                   HASH   rid -> replica id
 ``P:T:ridseq``                  STRING last rid allocated
@@ -112,6 +113,9 @@ class NamespaceKeys:
 
     def prediction_bucket(self, key: int) -> str:
         return f"{self.prediction_prefix}{key >> (64 - BLOCK_BUCKET_BITS):04x}"
+
+    def home_bucket(self, key: int) -> str:
+        return f"{self.home_prefix}{key >> (64 - BLOCK_BUCKET_BITS):04x}"
 
     def engine_bucket(self, rid: int, engine_hash: int) -> str:
         bucket = engine_hash % ENGINE_BUCKETS

@@ -266,8 +266,9 @@ local homes, horder, block = {}, {}, 1
 while block <= n do
   local f = string.sub(chain, block * 8 - 7, block * 8)
   local h = redis.call('HGET', block_bucket(hprefix, f), f)
-  if not h or #h < 8 then break end
+  if not h or #h < 14 then break end
   clock = clock or now_ms()
+  if expiry_of(h, 7) <= clock then break end
   local b1, b2 = string.byte(h, 1, 2)
   local rid = b1 * 256 + b2
   if not homes[rid] then horder[#horder + 1] = rid end
@@ -302,23 +303,37 @@ return {out, stats, named}
 )
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, ttl ms, anchor block keys (8 bytes
-# each), replica name]. Records replica ``rid`` as the home of each anchor, stamped with Redis
-# time; the bucket keys expire ttl after their newest record. Returns -1, writing nothing,
-# when the rid no longer belongs to that replica.
+# each), replica name]. Records replica ``rid`` as the home of each anchor: rid (2 B), the
+# Redis time of the claim (6 B), its expiry (6 B); the bucket keys expire ttl after their
+# newest record. A bucket that keeps being written never expires, so each call also drops
+# the expired records of one of the buckets it writes (a different one each millisecond):
+# every bucket is swept about as often as it is written. Returns -1, writing nothing, when
+# the rid no longer belongs to that replica.
 CLAIM: Final = (
     _BUCKETS
     + _PREDICTIONS
     + """
 local hprefix, rid, ttl, anchors = ARGV[1] .. ':h:', tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 if redis.call('HGET', KEYS[1], rid) ~= ARGV[5] then return -1 end
-local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(now_ms())
-for i = 1, #anchors - 7, 8 do
-  local f = string.sub(anchors, i, i + 7)
+local clock, n = now_ms(), #anchors / 8
+if n == 0 then return 0 end
+local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock)
+  .. pack_expiry(clock + ttl)
+local sweep = clock % n
+for i = 0, n - 1 do
+  local f = string.sub(anchors, i * 8 + 1, i * 8 + 8)
   local key = block_bucket(hprefix, f)
+  if i == sweep then
+    local all = redis.call('HGETALL', key)
+    for j = 1, #all, 2 do
+      local v = all[j + 1]
+      if #v < 14 or expiry_of(v, 7) <= clock then redis.call('HDEL', key, all[j]) end
+    end
+  end
   redis.call('HSET', key, f, mine)
   if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
 end
-return #anchors / 8
+return n
 """
 )
 

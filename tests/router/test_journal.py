@@ -35,4 +35,7 @@ async def test_every_decision_is_journaled_with_its_breakdown(tmp_path: Path) ->
     chosen = first["candidates"][first["chosen"]]
     for field in ("matched", "predicted", "queue_ms", "ttft_ms", "score", "regret", "home"):
         assert field in chosen
+    # the score is its parts: -(ttft + compute + evict), each logged
+    parts = chosen["ttft_ms"] + chosen["compute_ms"] + chosen["evict_ms"]
+    assert chosen["score"] == pytest.approx(-parts, abs=0.01)
     assert chosen["cache_blocks"] in (None, 2048)

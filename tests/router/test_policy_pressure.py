@@ -11,9 +11,10 @@ from router.policy import (
     PolicyConfig,
     ReplicaState,
     decide,
-    eviction_regret,
+    eviction_share,
     fleet_of,
     projected_kv_usage,
+    relative_churn,
     score_replica,
 )
 
@@ -79,7 +80,10 @@ def test_a_new_prefix_goes_where_it_evicts_least() -> None:
     assert choose([fast, queued]) == "fast"
 
 
-def test_eviction_regret() -> None:
+def test_eviction_share_weighed_by_churn() -> None:
+    def eviction_regret(state: ReplicaState, new_blocks: float) -> float:
+        return eviction_share(state, new_blocks) * relative_churn(state)
+
     assert eviction_regret(ReplicaState("unknown"), 100) == 1.0
     room = ReplicaState("r", cache_blocks=1000, resident_blocks=850)
     assert eviction_regret(room, 100) == 0.0  # fits in the room
@@ -101,8 +105,8 @@ def test_misses_cost_more_on_a_busy_fleet() -> None:
              inflight=8),
         full("cold", inflight=8),
     ]  # fmt: skip
-    assert fleet_of(PROMPT, light, CONFIG).busy == 0
-    assert fleet_of(PROMPT, busy, CONFIG).busy == 8
+    assert fleet_of(light, CONFIG).busy == 0
+    assert fleet_of(busy, CONFIG).busy == 8
 
     def gap(states: list[ReplicaState]) -> float:
         scores = decide(PROMPT, states, CONFIG, random.Random(0)).scores
@@ -119,6 +123,13 @@ def test_kv_memory_a_request_will_hold_counts_before_the_engine_reports_it() -> 
     # scraped with 4 running, 1 in flight now: 3 finished and freed their blocks since
     stale = ReplicaState("r", kv_usage=0.8, engine_running=4, inflight=1, cache_blocks=1000)
     assert projected_kv_usage(stale, 1600, 16) == pytest.approx(0.3)
+    # ... but requests other clients sent are still running: 2 of the 4 were not routed
+    mixed = ReplicaState(
+        "r", kv_usage=0.8, engine_running=4, inflight=1, routed_at_scrape=2, cache_blocks=1000
+    )
+    assert projected_kv_usage(mixed, 1600, 16) == pytest.approx(0.7)
+    outside = ReplicaState("r", kv_usage=0.95, engine_running=3, routed_at_scrape=0)
+    assert projected_kv_usage(outside, 0, 16) == pytest.approx(0.95)
     # a long answer fills the cache: the penalty starts above the 90 % watermark
     short = score_replica(1000, state, CONFIG, output_tokens=100)
     long = score_replica(1000, state, CONFIG, output_tokens=3000)

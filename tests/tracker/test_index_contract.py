@@ -410,6 +410,19 @@ async def test_homes_name_the_last_replica_each_anchor_was_routed_to(index: Bloc
     assert {r: h.blocks for r, h in survey.homes.items()} == {"b": 4}
 
 
+async def test_an_expired_home_is_not_reported_while_its_bucket_lives_on(
+    index: BlockIndex,
+) -> None:
+    # two anchors in one Redis bucket (same top 14 bits): b's fresh claim keeps the bucket
+    # alive; a's record beside it has expired and must not be read as a deeper home
+    first, second = (5 << 50) | 1, (5 << 50) | 2
+    await index.claim(NS, "a", [first, second], ttl_s=0.3)
+    await index.claim(NS, "b", [first], ttl_s=5)
+    await asyncio.sleep(0.4)
+    survey = await index.survey(NS, [first, second])
+    assert {r: h.blocks for r, h in survey.homes.items()} == {"b": 1}
+
+
 async def test_a_replica_that_stopped_matching_is_not_revived_by_predictions(
     index: BlockIndex,
 ) -> None:

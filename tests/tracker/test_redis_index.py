@@ -439,6 +439,24 @@ def test_schema_keys_of_a_namespace_share_its_tag() -> None:
     assert schema.NamespaceKeys(Namespace("llama", 8)).tag != nk.tag
 
 
+async def test_claims_sweep_expired_homes_from_a_bucket_kept_alive(
+    index_factory: Any, redis_url: str
+) -> None:
+    """A bucket written without pause never expires: claims drop its expired records."""
+    index = index_factory()
+    nk = schema.NamespaceKeys(NS)
+    stale = [(9 << 50) | i for i in range(1, 6)]
+    await index.claim(NS, "a", stale, ttl_s=0.2)
+    bucket = nk.home_bucket(stale[0])
+    assert {nk.home_bucket(k) for k in stale} == {bucket}
+    await index.claim(NS, "b", [(9 << 50) | 99], ttl_s=5)
+    assert await index.client.hlen(bucket) == 6
+    await asyncio.sleep(0.3)
+    await index.claim(NS, "b", [(9 << 50) | 99], ttl_s=5)
+    assert await index.client.hlen(bucket) == 1
+    assert await index.client.pttl(bucket) > 1000
+
+
 # ------------------------------------------------------------------ replica ids
 
 
