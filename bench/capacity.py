@@ -76,6 +76,12 @@ class Capacity:
 
 
 def _prompt_ids(tokenizer: Tokenizer, workload: Workload) -> list[tuple[list[int], int]]:
+    """Each turn's prompt token ids and its output budget."""
+    return [(ids, max_tokens) for _, ids, max_tokens in _turns(tokenizer, workload)]
+
+
+def _turns(tokenizer: Tokenizer, workload: Workload) -> list[tuple[Conversation, list[int], int]]:
+    """Every turn's conversation, prompt token ids (as the engine sees them) and output budget."""
     rng = random.Random("capacity")
     out = []
     for conversation in workload.conversations:
@@ -87,7 +93,7 @@ def _prompt_ids(tokenizer: Tokenizer, workload: Workload) -> list[tuple[list[int
                 ids = tokenizer.chat_token_ids(
                     messages(conversation, i, answers), add_generation_prompt=True
                 )
-            out.append((ids, turn.max_tokens))
+            out.append((conversation, ids, turn.max_tokens))
             answers.append(text(rng, turn.max_tokens))
     return out
 
@@ -226,17 +232,4 @@ def _conversation_prompts(
     tokenizer: Tokenizer, workload: Workload
 ) -> list[tuple[Conversation, list[int]]]:
     """Each turn's prompt with its conversation (later turns arrive after earlier ones)."""
-    rng = random.Random("capacity")
-    out = []
-    for conversation in workload.conversations:
-        answers: list[str] = []
-        for i, turn in enumerate(conversation.turns):
-            if conversation.raw:
-                ids = tokenizer.prompt_token_ids(turn.user)
-            else:
-                ids = tokenizer.chat_token_ids(
-                    messages(conversation, i, answers), add_generation_prompt=True
-                )
-            out.append((conversation, ids))
-            answers.append(text(rng, turn.max_tokens))
-    return out
+    return [(conversation, ids) for conversation, ids, _ in _turns(tokenizer, workload)]

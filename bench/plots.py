@@ -6,6 +6,7 @@ engine-reported prefix hit rate and output throughput per policy.
 
 from __future__ import annotations
 
+import logging
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,6 +85,8 @@ def matrix_plots(verdicts: Sequence[Verdict], directory: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # cell labels such as "400" are categories on purpose: no note per label, please
+    logging.getLogger("matplotlib.category").setLevel(logging.WARNING)
     directory.mkdir(parents=True, exist_ok=True)
     out = []
     for axis in dict.fromkeys(v.cell.axis for v in verdicts):
