@@ -10,8 +10,8 @@ import redis
 
 from tests.procs import RedisServer
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-VECTORS = SHARED / "vectors" / "vllm-kv-events"
+DATA = Path(__file__).resolve().parent / "data"  # copies of shared data: tests/data/README.md
+VECTORS = DATA / "vectors" / "vllm-kv-events"
 
 
 @pytest.fixture(scope="session")
