@@ -15,8 +15,10 @@ load           arrivals at 25 / 50 / 75 / 100 % of the ideal capacity (1,024 blo
 routers        1, 2 and 4 routers behind haproxy (peers: as many instances), 700 blocks
 bypass         a quarter of the conversations sent straight to an engine, 700 blocks
 restart        one engine SIGKILLed and restarted empty 15 s into each pass, 700 blocks
-conversation   multi-turn chat with long answers; a conversation-shaped Mooncake trace on 8
-               engines with an H200's cache for an 8B model (58k blocks)
+conversation   multi-turn chat with 400-token answers: 16 users whose histories fit the fleet's
+               KV when each stays on one engine (2,048 blocks), and 32 users whose
+               histories are twice what it holds (1,024 blocks); a conversation-shaped
+               Mooncake trace on 8 engines with an H200's cache for an 8B model (58k blocks)
 =============  ===========================================================================
 
 Results go to one JSON file per cell (``--out``), with every request's outcome beside it
@@ -155,7 +157,14 @@ def cells(axes: Sequence[str] = AXES) -> list[Cell]:
             "num_blocks": 58_000,
             "time_scale": 1.0,
         }
-        out += [Cell("conversation", "multi-turn", chat), Cell("conversation", "trace", trace)]
+        # 16 users x ~365 blocks at their last turn: 4 per engine fit in 2,048 blocks when
+        # each stays on one engine; 32 users in 1,024 blocks need twice the fleet's KV
+        fits = {**chat, "users": 16, "num_blocks": 2048}
+        out += [
+            Cell("conversation", "multi-turn", fits),
+            Cell("conversation", "multi-turn 2x KV", chat),
+            Cell("conversation", "trace", trace),
+        ]
     return out
 
 
