@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal
 
 from tracker.cli import Command
 from tracker.config import LogSettings
@@ -20,7 +20,6 @@ from tracker.settings import setting
 _ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 _TCP: Final = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d{1,5})$")
 WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
-LOOPBACK_ADDRESSES: Final = frozenset({"127.0.0.1", "::1", "[::1]"})
 
 
 def tcp_parts(endpoint: str, what: str) -> tuple[str, int]:
@@ -57,21 +56,29 @@ class ReplicaSettings(LogSettings):
     host: str = setting("127.0.0.1", "HTTP bind address")
     port: int = setting(8000, "HTTP port of the first engine")
     events: str = setting(
-        "tcp://127.0.0.1:5557",
-        "ZMQ PUB endpoint of the first engine: bound on a wildcard (tcp://*:5557) or loopback "
-        "address, connected to for any other host (vLLM's rule; tcp://localhost:P connects)",
+        "tcp://*:5557",
+        "ZMQ PUB endpoint of the first engine, by vLLM's rule: bound on a wildcard "
+        "(tcp://*:P, tcp://[::]:P) or ipc://, connected out to any other address, loopback "
+        "included (to a tracker's --bind)",
     )
     replay: str | None = setting(
         "tcp://127.0.0.1:5558",
         "ZMQ ROUTER replay endpoint of the first engine (always bound); 'none' disables",
     )
     topic: str = setting("", "topic frame of every event message (vLLM's default is empty)")
-    era: str = setting("v0.24.0", "vLLM release whose wire format to emit (e.g. v0.11.0)")
-    replay_layout: str = setting("legacy", "replay reply framing", choices=("legacy", "topic"))
+    era: str = setting("v0.33.0", "vLLM release whose wire format to emit (e.g. v0.25.1)")
+    replay_layout: str | None = setting(
+        None,
+        "replay reply framing (default: the era's — 'topic' from v0.26, else 'legacy')",
+        choices=("legacy", "topic"),
+    )
     advertise_host: str | None = setting(
         None, "host put in registered URLs and endpoints (default: --host, or hostname)"
     )
     model: str = setting("default", "served model name")
+    lora_modules: tuple[str, ...] = setting(
+        (), "LoRA adapters served beside the model, by name (vLLM's --lora-modules NAME=PATH)"
+    )
     max_model_len: int | None = setting(None, "longest prompt + output (default: cache size)")
     max_body_bytes: int = setting(32 << 20, "largest accepted request body (413 above)")
     block_size: int = setting(16, "KV-cache block size in tokens")
@@ -124,6 +131,13 @@ class ReplicaSettings(LogSettings):
     @property
     def wire_era(self) -> WireEra:
         return WireEra.for_release(self.era)
+
+    @property
+    def replay_framing(self) -> Literal["legacy", "topic"]:
+        """The replay layout asked for, else the one the era's vLLM answers with."""
+        if self.replay_layout is not None:
+            return "topic" if self.replay_layout == "topic" else "legacy"
+        return "topic" if self.wire_era.at_least(WireEra.V0_26_0) else "legacy"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from publishers.engine import CachedBlock, SimulatedEngine
 from publishers.zmq import ZmqEventPublisher
-from tracker.blocks import Namespace, block_keys
+from tracker.blocks import Namespace, block_keys, own_extra_keys
 
 
 class FaultRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -56,7 +56,9 @@ def index_keys(blocks: dict[int, CachedBlock], model: str, block_size: int) -> s
             if parent is not None and parent_key is None:
                 keys[current] = None
                 continue
-            extra = None if block.extra_keys is None else [block.extra_keys]
+            extra = own_extra_keys(
+                block.lora_name, None if block.extra_keys is None else [block.extra_keys]
+            )
             keys[current] = block_keys(
                 list(block.token_ids),
                 Namespace(model, block_size, block.lora_name),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import zmq
 from prometheus_client import CollectorRegistry
 
-from publishers.commands import LOOPBACK_ADDRESSES, WILDCARD_HOSTS, ReplicaSettings, tcp_parts
+from publishers.commands import WILDCARD_HOSTS, ReplicaSettings, tcp_parts
 from publishers.engine import EngineConfig, SimulatedEngine
 from publishers.faults import debug_routes
 from publishers.registration import RegistrationService
@@ -124,15 +124,14 @@ class FleetService:
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        # vLLM's rule, except that a loopback address is bound too (the safe default)
-        bound = binds(events) or tcp_parts(events, "events")[0] in LOOPBACK_ADDRESSES
+        bound = binds(events)  # vLLM's rule exactly: bind on a wildcard, else connect out
         try:
             publisher = ZmqEventPublisher(
                 events,
                 replay,
                 topic=s.topic.encode(),
                 era=s.wire_era,
-                replay_layout="topic" if s.replay_layout == "topic" else "legacy",
+                replay_layout=s.replay_framing,
                 bind=bound,
             )
         except zmq.ZMQError as exc:
@@ -155,6 +154,7 @@ class FleetService:
             registry=CollectorRegistry(),
             max_body_bytes=s.max_body_bytes,
             engine_id=replica_id,
+            adapters=s.lora_modules,
         )
         app.router.routes.extend(debug_routes(engine, publisher, model=s.model, faults=s.faults))
         server = HTTPServer(app, sock, shutdown_timeout_s=s.shutdown_timeout_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
@@ -211,7 +212,10 @@ def usage_chunk(head: Head, kind: str, use: dict[str, Any]) -> dict[str, Any]:
     return {**head.fields(kind), "choices": [], "usage": use}
 
 
-def model_list(model: str, max_model_len: int, created: int) -> dict[str, Any]:
+def model_list(
+    model: str, max_model_len: int, created: int, adapters: Sequence[str] = ()
+) -> dict[str, Any]:
+    """vLLM's ``/v1/models``: the model, then each LoRA adapter with the model as ``parent``."""
     permission = {
         "id": f"modelperm-{uuid.uuid4().hex}",
         "object": "model_permission",
@@ -236,7 +240,10 @@ def model_list(model: str, max_model_len: int, created: int) -> dict[str, Any]:
         "max_model_len": max_model_len,
         "permission": [permission],
     }
-    return {"object": "list", "data": [card]}
+    cards = [card]
+    for adapter in adapters:
+        cards.append({**card, "id": adapter, "root": adapter, "parent": model})
+    return {"object": "list", "data": cards}
 
 
 def render_result(

@@ -102,10 +102,13 @@ class _Server:
         model: str,
         max_model_len: int,
         metrics: ServerMetrics,
+        *,
+        adapters: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
+        self.adapters = frozenset(adapters)
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.created = wire.now()
@@ -113,8 +116,12 @@ class _Server:
     # ------------------------------------------------------------------ request parsing
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model:
+        if model is not None and model != self.model and model not in self.adapters:
             raise RequestError(f"The model `{model}` does not exist.", 404, "model")
+
+    def _lora(self, model: str | None) -> str | None:
+        """The LoRA adapter a request names (vLLM serves each under its own model name)."""
+        return model if model is not None and model in self.adapters else None
 
     async def _tokenize(self, request: Request, work: Callable[[], list[int]]) -> list[int]:
         if len(await request.body()) > THREAD_BODY_BYTES:
@@ -182,8 +189,10 @@ class _Server:
 
     # ------------------------------------------------------------------ generation
 
-    def _submit(self, rid: str, ids: list[int], max_tokens: int, salt: str | None) -> RequestStream:
-        generation = GenerationRequest(rid, ids, max_tokens, cache_salt=salt)
+    def _submit(
+        self, rid: str, ids: list[int], max_tokens: int, salt: str | None, lora: str | None
+    ) -> RequestStream:
+        generation = GenerationRequest(rid, ids, max_tokens, lora_name=lora, cache_salt=salt)
         try:
             return self.engine.add_request(generation)
         except ValueError as exc:
@@ -215,7 +224,7 @@ class _Server:
         rid = self._request_id(request, body, "chatcmpl" if chat else "cmpl")
         head = Head(rid, body.model or self.model, wire.now())
         started = time.monotonic()
-        stream = self._submit(rid, ids, max_tokens, body.cache_salt)
+        stream = self._submit(rid, ids, max_tokens, body.cache_salt, self._lora(body.model))
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._events(
@@ -377,7 +386,10 @@ class _Server:
     # ------------------------------------------------------------------ operations
 
     async def models(self, request: Request) -> Response:
-        return wire.json_response(wire.model_list(self.model, self.max_model_len, self.created))
+        listing = wire.model_list(
+            self.model, self.max_model_len, self.created, adapters=sorted(self.adapters)
+        )
+        return wire.json_response(listing)
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -403,6 +415,7 @@ def create_app(
     max_model_len: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     engine_id: str | None = None,
+    adapters: Sequence[str] = (),
 ) -> Starlette:
     """The OpenAI-compatible app around a started ``engine``.
 
@@ -412,6 +425,8 @@ def create_app(
     :param max_model_len: longest prompt + output; default (and upper bound): the engine's.
     :param max_body_bytes: larger request bodies are refused (413) before anything reads them.
     :param engine_id: named in every response's ``X-Kvrouter-Engine`` header (benchmarks).
+    :param adapters: LoRA adapters served beside ``model``, each under its own name (its
+        blocks are hashed, and published, with the adapter's name, as vLLM does).
     """
     config = engine.config
     # the engine's own limit (its max_model_len, at most its KV cache) always applies
@@ -428,7 +443,7 @@ def create_app(
             "enable_prefix_caching": "True",
         },
     )
-    server = _Server(engine, tokenizer, model, limit, recorder)
+    server = _Server(engine, tokenizer, model, limit, recorder, adapters=tuple(adapters))
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -25,7 +25,16 @@ from typing import Final, Literal
 import msgspec
 import zmq
 
-from tracker.events import REPLAY_END_SEQ, Event, EventBatch, WireEra, encode_batch
+from tracker.blocks import own_extra_keys
+from tracker.events import (
+    NEWEST_ERA,
+    REPLAY_END_SEQ,
+    BlockStored,
+    Event,
+    EventBatch,
+    WireEra,
+    encode_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +61,26 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def as_emitted(batch: EventBatch, era: WireEra) -> EventBatch:
+    """``batch`` (built the v0.26+ way) as an engine of ``era`` fills it in.
+
+    Before v0.26 a block's ``extra_keys`` held no LoRA name (its hash did; the name travels in
+    ``lora_name``): drop the leading name for older eras, so both forms reach the tracker.
+    """
+    if era.at_least(WireEra.V0_26_0):
+        return batch
+    return EventBatch(batch.ts, [_pre_v26(e) for e in batch.events], batch.data_parallel_rank)
+
+
+def _pre_v26(event: Event) -> Event:
+    if not isinstance(event, BlockStored) or event.lora_name is None or not event.extra_keys:
+        return event
+    extra = own_extra_keys(event.lora_name, event.extra_keys)
+    if extra is not None and all(e is None for e in extra):
+        extra = None
+    return msgspec.structs.replace(event, extra_keys=extra)
+
+
 class ZmqEventPublisher:
     """Publish engine-step event batches exactly as a chosen vLLM release does.
 
@@ -61,7 +90,7 @@ class ZmqEventPublisher:
         topic: first frame of every live message.
         era: wire format to encode (:class:`tracker.events.WireEra`).
         replay_layout: ``"legacy"`` (vLLM <= 0.24.x, 0.25.1) or ``"topic"`` (with a topic
-            frame, vLLM main from 2026-07).
+            frame: vLLM main from 2026-07, every release from v0.26).
         buffer_steps: how many published batches replay can serve (vLLM's default; the
             buffer costs about 1.5 kB per batch, and an engine publishes a batch per step).
         data_parallel_rank: stamped into each batch; rank > 0 offsets the endpoints like vLLM.
@@ -79,8 +108,8 @@ class ZmqEventPublisher:
         endpoint: str = "tcp://*:5557",
         replay_endpoint: str | None = None,
         topic: bytes = b"",
-        era: WireEra = WireEra.V0_24_0,
-        replay_layout: Literal["legacy", "topic"] = "legacy",
+        era: WireEra = NEWEST_ERA,
+        replay_layout: Literal["legacy", "topic"] = "topic",
         buffer_steps: int = 10_000,
         data_parallel_rank: int = 0,
         hwm: int = 100_000,
@@ -223,7 +252,7 @@ class ZmqEventPublisher:
     def _send(self, batch: EventBatch) -> None:
         seq, self._seq = self._seq, self._seq + 1
         try:
-            payload = encode_batch(batch, self.era)
+            payload = encode_batch(as_emitted(batch, self.era), self.era)
         except (msgspec.EncodeError, OverflowError, TypeError, ValueError):
             # vLLM consumes the sequence number too: consumers see an unreplayable gap.
             self.encode_errors += 1

@@ -132,6 +132,7 @@ class Router:
             health_timeout_s=settings.health_timeout_s,
             metrics_interval_s=settings.metrics_interval_s,
             on_removed=self._forget_replica,
+            load=self.load,
         )
         api = load_keys(settings.api_key, settings.api_key_file, "api-key")
         admin = load_keys(settings.admin_key, settings.admin_key_file, "admin-key")

@@ -8,14 +8,17 @@ metrics are vLLM's ``/metrics`` gauges (``num_requests_running``, ``num_requests
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.errors import UpstreamError
+from router.load import LoadBoard
 from router.metrics import RouterMetrics
 from router.replicas import EngineLoad, Replica, ReplicaSet
 from router.upstream import UpstreamClient, failure_kind
@@ -81,6 +84,7 @@ class ReplicaMonitor:
         health_timeout_s: float,
         metrics_interval_s: float,
         on_removed: Callable[[str], None] | None = None,
+        load: LoadBoard | None = None,
     ) -> None:
         self.replicas = replicas
         self.upstream = upstream
@@ -92,6 +96,7 @@ class ReplicaMonitor:
         self.health_timeout_s = health_timeout_s
         self.metrics_interval_s = metrics_interval_s
         self.on_removed = on_removed
+        self.load = load
         self.registry_reachable = True
         self._tasks: list[asyncio.Task[None]] = []
         self._limit = asyncio.Semaphore(_PARALLEL)
@@ -173,9 +178,33 @@ class ReplicaMonitor:
         if status == 200:
             self.metrics.health_checks.labels("ok").inc()
             self.replicas.succeeded(replica.id)
+            await self._adapters(replica)
         else:
             self.metrics.health_checks.labels("unhealthy").inc()
             self.replicas.failed(replica.id, f"GET /health answered {status}")
+
+    async def _adapters(self, replica: Replica) -> None:
+        """The LoRA adapters a replica serves: its ``/v1/models`` entries whose ``parent`` is
+        its model (vLLM lists each loaded adapter so; they come and go at runtime)."""
+        async with self._limit:
+            try:
+                status, text = await self.upstream.get(
+                    replica.id, replica.url, "/v1/models", timeout_s=self.health_timeout_s
+                )
+            except UpstreamError:
+                return  # keep what it served last; health checks judge the replica
+        if status != 200:
+            return
+        try:
+            adapters = parse_adapters(text, replica.model)
+        except ValueError as exc:
+            logger.debug("unparsable model list", extra={"replica": replica.id, "error": exc})
+            return
+        if adapters != replica.adapters:
+            logger.info(
+                "replica adapters", extra={"replica": replica.id, "adapters": sorted(adapters)}
+            )
+            replica.adapters = adapters
 
     def _publish_health(self) -> None:
         for replica in self.replicas.all():
@@ -184,10 +213,20 @@ class ReplicaMonitor:
     # ------------------------------------------------------------------ engine metrics
 
     async def scrape_engines(self) -> None:
-        """Read every healthy replica's engine gauges once."""
-        await asyncio.gather(*(self._scrape(r) for r in self.replicas.all() if r.healthy))
+        """Read every healthy replica's engine gauges once, with every router's requests in
+        flight on it at that moment: the part of its KV usage that finishes with them."""
+        healthy = [r for r in self.replicas.all() if r.healthy]
+        routed: dict[str, int] = {}
+        if self.load is not None:
+            for namespace in {r.namespace for r in healthy}:
+                try:
+                    loads = await self.load.snapshot(namespace)
+                except IndexUnavailableError:
+                    loads = self.load.local_snapshot(namespace)
+                routed.update((replica, load.inflight) for replica, load in loads.items())
+        await asyncio.gather(*(self._scrape(r, routed.get(r.id, 0)) for r in healthy))
 
-    async def _scrape(self, replica: Replica) -> None:
+    async def _scrape(self, replica: Replica, routed: int | None = None) -> None:
         async with self._limit:
             try:
                 status, text = await self.upstream.get(
@@ -198,11 +237,25 @@ class ReplicaMonitor:
         if status != 200:
             return
         try:
-            replica.engine = parse_engine_metrics(text, time.monotonic())
-            if replica.engine.cache_blocks is not None:
-                replica.cache_blocks = replica.engine.cache_blocks
+            engine = parse_engine_metrics(text, time.monotonic())
+            if self.load is not None:
+                engine = dataclasses.replace(engine, routed=routed)
+            replica.engine = engine
+            if engine.cache_blocks is not None:
+                replica.cache_blocks = engine.cache_blocks
         except ValueError as exc:
             logger.debug("unparsable engine metrics", extra={"replica": replica.id, "error": exc})
+
+
+def parse_adapters(text: str, model: str) -> frozenset[str]:
+    """The adapters of ``model`` in an OpenAI ``/v1/models`` answer (vLLM's ``parent``)."""
+    try:
+        cards = msgspec.json.decode(text)["data"]
+        return frozenset(
+            str(card["id"]) for card in cards if card.get("parent") == model and card["id"]
+        )
+    except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a model list: {exc}") from None
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

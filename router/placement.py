@@ -142,23 +142,24 @@ class Placer:
         self.rng = rng or random.Random()
         self.churn = ChurnBook()
         # per replica: the engine scrape last seen and the routers' in-flight count then
-        self._scraped: dict[str, tuple[float, int]] = {}
         self._mixed: set[str] = set()
         self._policies: dict[int, PolicyConfig] = {}
 
-    def resolve_model(self, model: str | None) -> str:
-        """The model a request is for; the only one served when it names none."""
+    def resolve_model(self, model: str | None) -> tuple[str, str | None]:
+        """The model a request is for (the only one served when it names none), and the
+        LoRA adapter when it names one: ``(base model, adapter)``."""
         if not len(self.replicas):
             # nothing known yet (e.g. the registry was unreachable since startup): not a 404
             raise NoReplicaError("no replica is known yet")
         if model is None:
-            models = self.replicas.models()
-            if len(models) == 1:
-                return models[0]
+            bases = {r.model for r in self.replicas.all()}
+            if len(bases) == 1:
+                return bases.pop(), None
             raise BadRequestError("Missing required parameter: 'model'.", param="model")
-        if not self.replicas.serves(model):
+        resolved = self.replicas.resolve(model)
+        if resolved is None:
             raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
-        return model
+        return resolved
 
     def _block_size(self, model: str, candidates: Sequence[Replica]) -> int:
         sizes = Counter(r.block_size for r in candidates)
@@ -196,12 +197,13 @@ class Placer:
         :raises NoReplicaError: none of them is healthy.
         :raises BadRequestError: the prompt is longer than ``max_prompt_tokens``.
         """
-        model = self.resolve_model(request.model)
-        candidates = self.replicas.candidates(model)
+        model, lora = self.resolve_model(request.model)
+        candidates = self.replicas.candidates(model, lora)
         if not candidates:
-            raise NoReplicaError(f"no healthy replica serves the model `{model}`")
+            raise NoReplicaError(f"no healthy replica serves the model `{lora or model}`")
         block_size = self._block_size(model, candidates)
-        namespace = Namespace(model, block_size)
+        # an adapter's blocks live in the base model's partition, keyed from its own seed
+        namespace = Namespace(model, block_size, lora)
         if self.baseline is not None:
             return await self._place_baseline(request, model, namespace, candidates, dry_run)
         stages: dict[str, float] = {}
@@ -272,7 +274,9 @@ class Placer:
             load = view.loads.get(replica.id)
             inflight = load.inflight if load else 0
             engine = self.replicas.engine_load(replica, now)
-            routed = self._routed_at(replica.id, engine.at, inflight) if engine else None
+            # every router's requests in flight when the gauges were scraped (the monitor
+            # reads the load board then); the rest of what the engine ran is outside traffic
+            routed = engine.routed if engine else None
             # the index answered: a replica it has no count of holds nothing
             resident = (
                 view.residency.get(replica.id, _NOTHING)
@@ -298,16 +302,6 @@ class Placer:
                 )
             )
         return states
-
-    def _routed_at(self, replica: str, scraped_at: float, inflight: int) -> int:
-        """The routers' requests in flight when the engine's gauges were scraped: the count
-        at the first decision after that scrape (the scrape is one per second, decisions are
-        milliseconds apart under load; the rest of the engine's running ones are outside
-        traffic)."""
-        seen = self._scraped.get(replica)
-        if seen is None or seen[0] != scraped_at:
-            seen = self._scraped[replica] = (scraped_at, inflight)
-        return seen[1]
 
     def _home(self, home: Home | None) -> float:
         """A home claim's weight in blocks: its depth, fading linearly to 0 over its TTL."""

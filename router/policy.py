@@ -346,7 +346,7 @@ def projected_kv_usage(state: ReplicaState, new_tokens: float, block_size: int) 
     if state.engine_running:
         routed = state.engine_running if state.routed_at_scrape is None else state.routed_at_scrape
         outside = max(0, state.engine_running - routed)
-        usage *= min(1.0, (outside + max(state.inflight, 1)) / state.engine_running)
+        usage *= min(1.0, (outside + state.inflight) / state.engine_running)
     if not state.cache_blocks:
         return usage
     return usage + new_tokens / block_size / state.cache_blocks

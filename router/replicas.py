@@ -31,6 +31,7 @@ class EngineLoad:
     kv_usage: float | None
     at: float
     cache_blocks: int | None = None
+    routed: int | None = None  # every router's requests in flight on it when scraped
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class Replica:
     ttl_s: float = 15.0
     missing_since: float | None = None
     cache_blocks: int | None = None  # KV-cache size, from the engine's cache_config_info
+    adapters: frozenset[str] = frozenset()  # LoRA adapters it serves, from its /v1/models
 
     @property
     def namespace(self) -> Namespace:
@@ -95,14 +97,31 @@ class ReplicaSet:
         return sorted(self._replicas.values(), key=lambda r: r.id)
 
     def models(self) -> list[str]:
-        return sorted({r.model for r in self._replicas.values()})
+        """Every model and LoRA adapter some replica serves."""
+        names = {r.model for r in self._replicas.values()}
+        for replica in self._replicas.values():
+            names |= replica.adapters
+        return sorted(names)
 
     def serves(self, model: str) -> bool:
-        return any(r.model == model for r in self._replicas.values())
+        return self.resolve(model) is not None
 
-    def candidates(self, model: str) -> list[Replica]:
-        """Healthy replicas serving ``model``, in id order."""
-        return [r for r in self.all() if r.model == model and r.healthy]
+    def resolve(self, name: str) -> tuple[str, str | None] | None:
+        """``(model, None)`` for a model, ``(base model, name)`` for a LoRA adapter (vLLM
+        serves each under its own name); None when no replica serves ``name``."""
+        replicas = self._replicas.values()
+        if any(r.model == name for r in replicas):
+            return name, None
+        base = next((r.model for r in replicas if name in r.adapters), None)
+        return None if base is None else (base, name)
+
+    def candidates(self, model: str, lora: str | None = None) -> list[Replica]:
+        """Healthy replicas serving ``model`` (with the adapter ``lora``), in id order."""
+        return [
+            r
+            for r in self.all()
+            if r.model == model and r.healthy and (lora is None or lora in r.adapters)
+        ]
 
     def engine_load(self, replica: Replica, now: float | None = None) -> EngineLoad | None:
         """The replica's engine metrics if fresh enough to use."""

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from publishers.engine import CachedBlock, EngineConfig, GenerationRequest, SimulatedEngine
 from publishers.zmq import ZmqEventPublisher
-from tracker.blocks import Namespace, block_keys
+from tracker.blocks import Namespace, block_keys, own_extra_keys
 from tracker.config import TrackerSettings
 from tracker.keys import NamespaceKeys
 from tracker.redis_index import RedisIndex
@@ -46,7 +46,9 @@ def expected_keys(blocks: dict[int, CachedBlock]) -> set[int]:
         block = blocks[engine_hash]
         parent = None if block.parent_hash is None else key_of(block.parent_hash)
         ns = Namespace(NAMESPACE.model, NAMESPACE.block_size, block.lora_name)
-        extra = None if block.extra_keys is None else [block.extra_keys]
+        extra = own_extra_keys(
+            block.lora_name, None if block.extra_keys is None else [block.extra_keys]
+        )
         keys[engine_hash] = block_keys(list(block.token_ids), ns, parent=parent, extra_keys=extra)[
             0
         ]

@@ -55,6 +55,23 @@ def namespace_seed(model: str, lora_name: str | None, block_size: int) -> int:
     return _xxh3(_pack(["kvrouter-blocks", SCHEME_VERSION, model, lora_name or "", block_size]))
 
 
+def own_extra_keys(lora_name: str | None, extra_keys: Sequence[Any] | None) -> list[Any] | None:
+    """An engine's per-block ``extra_keys`` as the key function takes them, for every era.
+
+    From vLLM v0.26 each block's extra keys start with the LoRA name; before, they held only
+    the multimodal and cache-salt inputs. The LoRA name is already in the namespace seed, so
+    it is dropped here and a v0.25 and a v0.33 engine give the same prompt the same keys — the
+    ones a router computes from ``Namespace(model, B, lora)`` and the cache salt alone. (A
+    pre-v0.26 block whose only extra key is a cache salt equal to the adapter's name would be
+    read as v0.26: the one ambiguity, harmless unless salts are named after adapters.)
+    """
+    if lora_name is None or not extra_keys:
+        return None if not extra_keys else list(extra_keys)
+    if not all(isinstance(e, list | tuple) and e and e[0] == lora_name for e in extra_keys):
+        return list(extra_keys)
+    return [tuple(e[1:]) or None for e in extra_keys]
+
+
 def token_bytes(tokens: Sequence[int] | array[int]) -> bytes:
     """Token ids as packed little-endian uint32, the form the key function hashes."""
     packed = tokens if isinstance(tokens, array) and tokens.typecode == "I" else array("I", tokens)

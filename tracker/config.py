@@ -40,6 +40,11 @@ class TrackerSettings(LogSettings):
     replay_timeout_s: float = setting(2.0, "give up on a replay after this long")
     max_replays: int = setting(8, "replay requests in flight at once, across all replicas")
     resync_cooldown_s: float = setting(5.0, "minimum time between resyncs of one replica")
+    silence_check_s: float = setting(
+        10.0,
+        "poll a replica's replay after this long without live events; events found there mean "
+        "its live stream is silent (they are applied, and polled every second meanwhile); 0: off",
+    )
     reap_interval_s: float = setting(2.0, "how often to expire replicas that stopped heartbeating")
     shutdown_timeout_s: float = setting(5.0, "graceful shutdown budget")
 
@@ -50,6 +55,8 @@ class TrackerSettings(LogSettings):
             raise ValueError("block_size must be positive")
         if self.max_replays <= 0:
             raise ValueError("max_replays must be positive")
+        if not self.silence_check_s >= 0:
+            raise ValueError("silence_check_s must be >= 0")
 
     @property
     def replica_specs(self) -> list[ReplicaSpec]:

@@ -6,7 +6,10 @@ The wire contract (see docs/architecture.md and ../shared/docs/vllm-kv-events.md
 * the payload is msgpack of ``EventBatch`` = ``[ts, events, data_parallel_rank]`` (no rank
   before vLLM v0.9.1);
 * each event is a tagged positional array (vLLM v0.9 - v0.23, SGLang) or a map with a
-  ``type`` key whose default-valued optional fields are omitted (vLLM v0.24+).
+  ``type`` key whose default-valued optional fields are omitted (vLLM v0.24+);
+* vLLM v0.26 adds ``locality``, ``ownership`` and ``session_id`` to ``BlockStored``
+  (``locality`` and ``ownership`` to ``BlockRemoved``), ``medium`` may be ``"STORAGE"``, and
+  each block's ``extra_keys`` start with the LoRA name; v0.33 adds ``lookahead_token_ids``.
 
 Decoding is version-agnostic and strict about types; encoding reproduces a chosen era's
 bytes exactly, so the simulated engine is indistinguishable from vLLM on the wire.
@@ -32,6 +35,7 @@ REPLAY_END_SEQ: Final = U64_MASK
 """Sequence value of the end-of-replay marker (``0xFF`` x 8)."""
 
 MEDIUM_GPU: Final = "GPU"
+LOCALITY_REMOTE: Final = "REMOTE"
 
 
 class BlockStored(msgspec.Struct, frozen=True):
@@ -48,6 +52,11 @@ class BlockStored(msgspec.Struct, frozen=True):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int] | None] | None = None
+    """Per block, the tokens past it that the engine folded into its hash (v0.33+)."""
 
 
 class BlockRemoved(msgspec.Struct, frozen=True):
@@ -56,6 +65,8 @@ class BlockRemoved(msgspec.Struct, frozen=True):
     block_hashes: list[ExternalHash]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True):
@@ -90,6 +101,8 @@ class WireEra(enum.Enum):
     V0_20_0 = "v0.20.0"
     V0_22_0 = "v0.22.0"
     V0_24_0 = "v0.24.0"
+    V0_26_0 = "v0.26.0"
+    V0_33_0 = "v0.33.0"
 
     @classmethod
     def for_release(cls, release: str) -> WireEra:
@@ -101,9 +114,13 @@ class WireEra(enum.Enum):
                 chosen = era
         return chosen
 
+    def at_least(self, other: WireEra) -> bool:
+        """Whether this era is ``other`` or a later one."""
+        return _ERA_ORDER[self] >= _ERA_ORDER[other]
+
     @property
     def map_events(self) -> bool:
-        return self is WireEra.V0_24_0
+        return self.at_least(WireEra.V0_24_0)
 
     @property
     def has_rank(self) -> bool:
@@ -130,17 +147,33 @@ _STORED_FIELDS: Final = (
     ("group_idx", WireEra.V0_20_0),
     ("kv_cache_spec_kind", WireEra.V0_22_0),
     ("kv_cache_spec_sliding_window", WireEra.V0_22_0),
+    ("locality", WireEra.V0_26_0),
+    ("ownership", WireEra.V0_26_0),
+    ("session_id", WireEra.V0_26_0),
+    ("lookahead_token_ids", WireEra.V0_33_0),
 )
 _REMOVED_FIELDS: Final = (
     ("block_hashes", WireEra.V0_9_0),
     ("medium", WireEra.V0_10_2),
     ("group_idx", WireEra.V0_20_0),
+    ("locality", WireEra.V0_26_0),
+    ("ownership", WireEra.V0_26_0),
 )
 # Fields vLLM declares with a default; map-era encoding omits them when equal to it.
 _OMITTABLE: Final = frozenset(
-    {"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
+    {
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
+    }
 )
 _ERA_ORDER: Final = {era: i for i, era in enumerate(WireEra)}
+NEWEST_ERA: Final = list(WireEra)[-1]
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -165,8 +198,23 @@ def _encode_event(event: Event, era: WireEra) -> Any:
             if value is None and name in _OMITTABLE:
                 continue
             out[name] = value
+        if len(names) + 1 > _FIXMAP_MAX:
+            return _map16(out)
         return out
     return [tag, *(getattr(event, name) for name in names)]
+
+
+_FIXMAP_MAX: Final = 15
+
+
+def _map16(entries: dict[str, Any]) -> msgspec.Raw:
+    """``entries`` behind a map16 header, as msgspec writes a struct of more than 15 fields.
+
+    msgspec sizes a struct's map header by the fields it *may* write (v0.33's
+    ``BlockStored`` has 16 with its tag), then omits the defaults: the header stays map16.
+    """
+    body = b"".join(_encoder.encode(k) + _encoder.encode(v) for k, v in entries.items())
+    return msgspec.Raw(b"\xde" + len(entries).to_bytes(2, "big") + body)
 
 
 def encode_batch(batch: EventBatch, era: WireEra) -> bytes:
@@ -220,6 +268,14 @@ def _check_tokens(value: Any) -> list[int]:
     return value
 
 
+def _check_lookahead(value: Any) -> list[list[int] | None] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise DecodeError("bad_event", "lookahead_token_ids must be an array or nil")
+    return [None if tokens is None else _check_tokens(tokens) for tokens in value]
+
+
 def _stored(fields: dict[str, Any]) -> BlockStored:
     block_size = fields.get("block_size")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
@@ -246,6 +302,10 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
         kv_cache_spec_sliding_window=_opt(
             fields.get("kv_cache_spec_sliding_window"), int, "kv_cache_spec_sliding_window"
         ),
+        locality=_opt(fields.get("locality"), str, "locality"),
+        ownership=_opt(fields.get("ownership"), str, "ownership"),
+        session_id=_opt(fields.get("session_id"), str, "session_id"),
+        lookahead_token_ids=_check_lookahead(fields.get("lookahead_token_ids")),
     )
 
 
@@ -254,11 +314,14 @@ def _removed(fields: dict[str, Any]) -> BlockRemoved:
         block_hashes=_check_hashes(fields.get("block_hashes")),
         medium=_opt(fields.get("medium"), str, "medium"),
         group_idx=_opt(fields.get("group_idx"), int, "group_idx"),
+        locality=_opt(fields.get("locality"), str, "locality"),
+        ownership=_opt(fields.get("ownership"), str, "ownership"),
     )
 
 
-_STORED_NAMES: Final = [name for name, _ in _STORED_FIELDS]
-_REMOVED_NAMES: Final = [name for name, _ in _REMOVED_FIELDS]
+# Positional events stopped growing when vLLM v0.24 switched to maps: later fields are map-only.
+_STORED_NAMES: Final = _fields_for(_STORED_FIELDS, WireEra.V0_22_0)
+_REMOVED_NAMES: Final = _fields_for(_REMOVED_FIELDS, WireEra.V0_22_0)
 _REQUIRED: Final = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
 
 
@@ -308,6 +371,55 @@ def decode_batch(payload: bytes) -> EventBatch:
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
         raise DecodeError("bad_batch", "data_parallel_rank must be an int or nil")
     return EventBatch(float(ts), [_decode_event(e) for e in events], rank)
+
+
+# Array-era field counts (after the tag) and the first era carrying each count.
+_ARRAY_ERAS: Final = {
+    "BlockStored": {
+        len(_fields_for(_STORED_FIELDS, era)): era
+        for era in reversed(WireEra)
+        if not era.map_events
+    },
+    "BlockRemoved": {
+        len(_fields_for(_REMOVED_FIELDS, era)): era
+        for era in reversed(WireEra)
+        if not era.map_events
+    },
+}
+_MAP_ERA_KEYS: Final = tuple(
+    (era, frozenset(name for name, since in _STORED_FIELDS + _REMOVED_FIELDS if since is era))
+    for era in reversed(WireEra)
+    if _ERA_ORDER[era] > _ERA_ORDER[WireEra.V0_24_0]
+)
+
+
+def wire_era(payload: bytes) -> WireEra | None:
+    """The oldest vLLM wire era that can have produced ``payload``; None if undecodable.
+
+    A lower bound: newer engines omit default-valued fields, so a v0.33 batch without
+    lookahead tokens reads as v0.26 or v0.24. Decoding never needs it (it accepts every era);
+    the tracker reports it so an operator sees what each engine speaks.
+    """
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        return None
+    era = WireEra.V0_9_0 if len(raw) == 2 else WireEra.V0_9_1
+    for event in raw[1]:
+        found: WireEra | None = None
+        if isinstance(event, dict):
+            found = WireEra.V0_24_0
+            for newer, keys in _MAP_ERA_KEYS:
+                if not keys.isdisjoint(event):
+                    found = newer
+                    break
+        elif isinstance(event, list) and event and isinstance(event[0], str):
+            found = _ARRAY_ERAS.get(event[0], {}).get(len(event) - 1)
+        if found is not None and _ERA_ORDER[found] > _ERA_ORDER[era]:
+            era = found
+    return era
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
-from tracker.blocks import Namespace, block_keys
+from tracker.blocks import Namespace, block_keys, own_extra_keys
 from tracker.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -200,9 +200,8 @@ class ReplicaLedger:
                 return
             parent_key = parent.key
         namespace = Namespace(self.namespace.model, self.namespace.block_size, event.lora_name)
-        keys = block_keys(
-            event.token_ids, namespace, parent=parent_key, extra_keys=event.extra_keys
-        )
+        extra = own_extra_keys(event.lora_name, event.extra_keys)
+        keys = block_keys(event.token_ids, namespace, parent=parent_key, extra_keys=extra)
         for engine_hash, key in zip(hashes, keys, strict=True):
             block = self.engine.get(engine_hash)
             if block is None:

@@ -136,6 +136,19 @@ class TrackerMetrics:
             ["replica"],
             registry=registry,
         )
+        self.live_silent = Gauge(
+            "kvrouter_tracker_replica_live_silent",
+            "1 while a replica's events reach the tracker only by polling its replay (its live "
+            "stream is silent: e.g. vLLM connects its PUB socket unless the endpoint is tcp://*)",
+            ["replica"],
+            registry=registry,
+        )
+        self.silent_polls = Counter(
+            "kvrouter_tracker_silent_polls_total",
+            "Replay polls that found events the replica's live stream had not delivered",
+            ["replica"],
+            registry=registry,
+        )
         self.replicas = Gauge(
             "kvrouter_tracker_replicas",
             "Replicas currently tracked",
@@ -180,6 +193,12 @@ class TrackerMetrics:
 
     def forget(self, replica: str) -> None:
         """Drop the per-replica series of a replica no longer tracked."""
-        for metric in (self.replica_blocks, self.replica_seq, self.gaps):
+        for metric in (
+            self.replica_blocks,
+            self.replica_seq,
+            self.gaps,
+            self.live_silent,
+            self.silent_polls,
+        ):
             with contextlib.suppress(KeyError):
                 metric.remove(replica)

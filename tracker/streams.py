@@ -31,7 +31,7 @@ from typing import Any, Final
 from tracker.blocks import Namespace
 from tracker.config import TrackerSettings
 from tracker.errors import DecodeError, IndexUnavailableError
-from tracker.events import Message, decode_batch
+from tracker.events import NEWEST_ERA, Message, WireEra, decode_batch, wire_era
 from tracker.index import BlockIndex
 from tracker.metrics import TrackerMetrics
 from tracker.replay import ReplayClient, ReplayResult
@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 MAX_QUEUE: Final = 100_000
 """Live messages a replica may have waiting; beyond, they are dropped (and later replayed)."""
+
+
+_SNIFF_EVERY: Final = 64
+SILENT_POLL_S: Final = 1.0  # replay poll interval while a live stream is silent
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,10 @@ class ReplicaStream:
         self._metrics = metrics
         self._replay = replay
         self._cooldown_s = settings.resync_cooldown_s
+        self._silence_s = settings.silence_check_s
+        self._live_at = time.monotonic()  # last live message (or start)
+        self._checked_at = self._live_at
+        self.silent = False
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.last: int | None = None
         self.live_high: int | None = None
@@ -108,6 +116,8 @@ class ReplicaStream:
         self.resync_blocked = False
         self._orphaned = False
         self._last_resync = -math.inf
+        self.era: WireEra | None = None
+        self._applied = 0
 
     @property
     def id(self) -> str:
@@ -148,6 +158,8 @@ class ReplicaStream:
             "blocks": self.blocks,
             "queued": self.queue.qsize(),
             "resync_blocked": self.resync_blocked,
+            "wire_era": None if self.era is None else self.era.value,
+            "live_silent": self.silent,
         }
 
     # ----------------------------------------------------------- worker
@@ -165,9 +177,12 @@ class ReplicaStream:
                 await self._on_live(item)
             if self._orphaned:
                 await self._maybe_resync()
+            if self._silence_wait() == 0:
+                await self._check_silence()
 
     async def _next(self) -> Item | _Tick:
-        wait = self._resync_wait()
+        waits = [w for w in (self._resync_wait(), self._silence_wait()) if w is not None]
+        wait = min(waits) if waits else None
         if wait is None:
             return await self.queue.get()
         try:
@@ -225,6 +240,11 @@ class ReplicaStream:
 
     async def _on_live(self, message: Message) -> None:
         self._metrics.messages.labels("live").inc()
+        self._live_at = time.monotonic()
+        if self.silent:
+            self.silent = False
+            self._metrics.live_silent.labels(self.id).set(0)
+            logger.info("live events resumed", extra={"replica": self.id, "seq": message.seq})
         if self.last is None:
             await self._start_fresh(message)
         elif message.seq == self.last + 1:
@@ -328,6 +348,50 @@ class ReplicaStream:
         await self._clear("orphan_resync")
         await self._apply_replayed(fetched.messages, from_zero=True)
 
+    # ----------------------------------------------------------- a silent live stream
+
+    def _silence_wait(self) -> float | None:
+        """Seconds until the next replay poll for a quiet live stream; None: never."""
+        if not self._silence_s or not self.target.replay or not self.primed:
+            return None
+        every = min(self._silence_s, SILENT_POLL_S) if self.silent else self._silence_s
+        due = max(self._live_at, self._checked_at) + every
+        return max(0.0, due - time.monotonic())
+
+    async def _check_silence(self) -> None:
+        """No live event for a while: did the engine publish anything? Ask its replay.
+
+        Events that only replay has mean the live stream is silent — the classic cause is a
+        vLLM whose endpoint is not ``tcp://*:P``: vLLM then *connects* its PUB socket, the
+        tracker's SUB connects too, and nothing flows. They are applied (the index stays
+        correct, a second behind at most while silent), and it is said loudly, once.
+        """
+        self._checked_at = time.monotonic()
+        start = 0 if self.last is None else self.last + 1
+        fetched = await self._fetch(start)
+        if fetched is None or not fetched.messages:
+            return  # an idle engine (or no answer: the replay issue is counted there)
+        self._metrics.silent_polls.labels(self.id).inc()
+        if not fetched.complete and self.last is not None:
+            self._gap(fetched.messages[0].seq - start)
+            await self._clear("unrecoverable_gap")
+        await self._apply_replayed(fetched.messages, from_zero=start == 0)
+        if not self.silent:
+            self.silent = True
+            self._metrics.live_silent.labels(self.id).set(1)
+            logger.error(
+                "live events are silent: this replica's events arrive only through replay. "
+                "A vLLM engine connects its PUB socket for any endpoint but tcp://*:P "
+                '(loopback included): give vLLM "endpoint": "tcp://*:P", or give it the '
+                "tracker's address and run the tracker with --bind",
+                extra={
+                    "replica": self.id,
+                    "events": self.target.events,
+                    "replay": self.target.replay,
+                    "seq": self.last,
+                },
+            )
+
     # ----------------------------------------------------------- index operations
 
     async def _fetch(self, start: int, until: int | None = None) -> ReplayResult | None:
@@ -374,6 +438,7 @@ class ReplicaStream:
             )
             self._advance(message.seq)
             return
+        self._sniff(message.payload)
         started = time.perf_counter()
         result = await self._writer.apply(self.id, self.namespace, batch, message.seq)
         self._metrics.batch(batch)
@@ -388,6 +453,19 @@ class ReplicaStream:
             self._orphaned = True
         self.blocks = result.blocks
         self._advance(message.seq)
+
+    def _sniff(self, payload: bytes) -> None:
+        """Learn the replica's wire era (a lower bound, for operators): its first 64 batches,
+        then every 64th."""
+        self._applied += 1
+        if self.era is NEWEST_ERA or (
+            self._applied > _SNIFF_EVERY and self._applied % _SNIFF_EVERY
+        ):
+            return
+        era = wire_era(payload)
+        if era is not None and (self.era is None or not self.era.at_least(era)):
+            self.era = era
+            logger.info("replica wire era", extra={"replica": self.id, "era": era.value})
 
     def _advance(self, seq: int) -> None:
         self.last = seq

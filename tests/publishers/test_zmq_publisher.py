@@ -6,20 +6,23 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
-from publishers.zmq import ZmqEventPublisher, binds, endpoint_for_rank
+from publishers.zmq import ZmqEventPublisher, as_emitted, binds, endpoint_for_rank
 from tests.procs import free_port
 from tracker.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Event,
+    EventBatch,
     WireEra,
     decode_batch,
     decode_message,
     decode_replay_reply,
+    encode_batch,
 )
 
 TIMEOUT_MS = 2000
@@ -264,3 +267,25 @@ def test_bind_errors_surface_in_the_constructor(ctx: Sockets) -> None:
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     with pytest.raises(zmq.ZMQError):
         make(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize(
+    ("era", "extra"),
+    [
+        (WireEra.V0_33_0, [["ad", "s"], ["ad"]]),
+        (WireEra.V0_26_0, [["ad", "s"], ["ad"]]),
+        (WireEra.V0_24_0, [["s"], None]),
+        (WireEra.V0_17_0, [["s"], None]),
+    ],
+)
+def test_lora_extra_keys_as_each_era_emits_them(era: WireEra, extra: Any) -> None:
+    event = BlockStored([1, 2], None, [1, 2, 3, 4], 2, lora_name="ad")
+    event = msgspec.structs.replace(event, extra_keys=[("ad", "s"), ("ad",)])
+    emitted = decode_batch(encode_batch(as_emitted(EventBatch(1.0, [event], 0), era), era))
+    (out,) = emitted.events
+    assert isinstance(out, BlockStored)
+    assert out.extra_keys == extra
+    unsalted = msgspec.structs.replace(event, extra_keys=[("ad",), ("ad",)])
+    (bare,) = as_emitted(EventBatch(1.0, [unsalted], 0), era).events
+    assert isinstance(bare, BlockStored)
+    assert bare.extra_keys == (None if not era.at_least(WireEra.V0_26_0) else [("ad",), ("ad",)])

@@ -89,7 +89,7 @@ async def engines(
     settings = ReplicaSettings(
         count=count,
         port=http,
-        events=f"tcp://127.0.0.1:{events}",
+        events=f"tcp://*:{events}",  # vLLM's rule: a wildcard binds
         replay=f"tcp://127.0.0.1:{replay}",
         **options,
     )

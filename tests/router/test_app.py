@@ -325,3 +325,31 @@ async def test_tokenizer_and_template_per_model_from_files(tmp_path: Path) -> No
         assert int(answer.headers[PREDICTED_HEADER]) == cached > 1000
     with pytest.raises(ConfigError, match="cannot load tokenizer"):
         TokenizerBook.load(RouterSettings(tokenizer=(str(tmp_path / "missing.json"),)))
+
+
+async def test_engine_gauges_are_scraped_with_the_requests_routed_then() -> None:
+    """The KV projection needs which of an engine's running requests were the routers' when
+    its gauges were read: those free their blocks when they finish, outside traffic may not."""
+    async with (
+        engines(1, time_scale=1.0, floor_ms=10.0) as fleet,
+        router(replica=fleet.specs) as service,
+    ):
+        replica = service.router.replicas.all()[0]
+        body = chat("long", "go", stream=True, max_tokens=2000)
+        async with httpx.AsyncClient(base_url=base_url(service), timeout=10) as client:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for _ in response.aiter_bytes():
+                    break
+                await service.router.monitor.scrape_engines()
+                assert replica.engine is not None
+                assert (replica.engine.running, replica.engine.routed) == (1, 1)
+            await wait_until(lambda: fleet.running() == 0, within=3)
+            await service.router.monitor.scrape_engines()
+            assert (replica.engine.running, replica.engine.routed) == (0, 0)
+            # a request from another client (straight to the engine) is not the routers'
+            direct = httpx.AsyncClient(base_url=fleet.url(0), timeout=10)
+            async with direct, direct.stream("POST", "/v1/chat/completions", json=body) as other:
+                async for _ in other.aiter_bytes():
+                    break
+                await service.router.monitor.scrape_engines()
+                assert (replica.engine.running, replica.engine.routed) == (1, 0)

@@ -123,6 +123,11 @@ def test_kv_memory_a_request_will_hold_counts_before_the_engine_reports_it() -> 
     # scraped with 4 running, 1 in flight now: 3 finished and freed their blocks since
     stale = ReplicaState("r", kv_usage=0.8, engine_running=4, inflight=1, cache_blocks=1000)
     assert projected_kv_usage(stale, 1600, 16) == pytest.approx(0.3)
+    # every request it ran then has finished: none of the gauge's blocks are held any more
+    # (a floor of one request here made a home look full for a scrape interval after its
+    # last request, and sent the next one of its group elsewhere)
+    done = ReplicaState("r", kv_usage=0.8, engine_running=1, inflight=0, cache_blocks=1000)
+    assert projected_kv_usage(done, 1600, 16) == pytest.approx(0.1)
     # ... but requests other clients sent are still running: 2 of the 4 were not routed
     mixed = ReplicaState(
         "r", kv_usage=0.8, engine_running=4, inflight=1, routed_at_scrape=2, cache_blocks=1000

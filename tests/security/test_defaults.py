@@ -48,6 +48,12 @@ def test_every_listening_or_connecting_default_is_loopback() -> None:
             if name == "bind" or name.endswith("_host") or name == "host":
                 assert value is None or value in LOOPBACK, (command, name, value)
                 checked.append((command, name))
+            elif (command, name) == ("replica", "events"):
+                # vLLM's own default and bind rule: a PUB endpoint binds only on a wildcard
+                # (any other address, loopback included, connects out); loopback-only
+                # deployments point it at a tracker's --bind instead (the test below)
+                assert value == "tcp://*:5557", value
+                checked.append((command, name))
             elif isinstance(value, str) and "://" in value:
                 assert _host(value) in LOOPBACK, (command, name, value)
                 checked.append((command, name))
@@ -73,7 +79,8 @@ def test_wildcard_endpoints_still_bind_when_given() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_a_default_replica_listens_on_loopback_only() -> None:
+async def test_a_replica_on_loopback_connects_out_and_listens_on_loopback_only() -> None:
+    """vLLM's rule: a loopback PUB endpoint is connected to, as a tracker's ``--bind``."""
     http, events, replay = free_port(), free_port(), free_port()
     settings = ReplicaSettings(
         port=http,
@@ -82,24 +89,25 @@ async def test_a_default_replica_listens_on_loopback_only() -> None:
         time_scale=0.01,
         num_blocks=256,
     )
-    fleet = FleetService(settings)
-    await fleet.start()
     context = zmq.asyncio.Context()
     sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{events}")  # where the tracker's --bind would listen
+    fleet = FleetService(settings)
+    await fleet.start()
     try:
         replica = fleet.replicas[0]
         assert replica.server.sock.getsockname()[0] == "127.0.0.1"
-        # the PUB socket is bound on loopback (not connected out): a consumer reaches it there
-        assert replica.record.events == f"tcp://127.0.0.1:{events}"
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(replica.record.events)
-        for port in (events, replay, http):  # nothing listens on another address
+        # the PUB socket connected out: a consumer has nothing to connect to
+        assert replica.record.events is None
+        assert replica.record.replay == f"tcp://127.0.0.1:{replay}"
+        for port in (replay, http):  # nothing listens on another address
             with socket.socket() as probe:
                 probe.settimeout(0.5)
                 assert probe.connect_ex((_non_loopback_address(), port)) != 0
         received: list[bytes] | None = None
         async with httpx.AsyncClient(base_url=replica.record.url or "", timeout=5) as client:
-            for attempt in range(50):  # the SUB joins asynchronously: ask until one arrives
+            for attempt in range(50):  # the PUB connects asynchronously: ask until one arrives
                 prompt = f"request {attempt}: " + "a fairly long prompt " * 20
                 answer = await client.post("/v1/completions", json={"prompt": prompt})
                 assert answer.status_code == 200, answer.text
@@ -109,7 +117,7 @@ async def test_a_default_replica_listens_on_loopback_only() -> None:
                     break
                 except TimeoutError:
                     continue
-        assert received is not None, "no event reached a loopback consumer"
+        assert received is not None, "no event reached the loopback SUB"
         decode_batch(decode_message(received).payload)
     finally:
         sub.close(linger=0)

@@ -75,7 +75,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     http, events, replay, port = free_ports(2), free_ports(2), free_ports(2), free_port()
     replicas = Process(
         ["replica", "--count", "2", "--port", str(http), "--model", MODEL,
-         "--events", f"tcp://127.0.0.1:{events}", "--replay", f"tcp://127.0.0.1:{replay}",
+         "--events", f"tcp://*:{events}", "--replay", f"tcp://127.0.0.1:{replay}",
          "--time-scale", "0.001", "--num-blocks", "1024", "--max-model-len", str(MAX_MODEL_LEN),
          "--max-body-bytes", str(MAX_BODY)],
         logs / "replica.log",

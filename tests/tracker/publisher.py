@@ -103,6 +103,10 @@ class EventPublisher:
     async def start(self) -> EventPublisher:
         self.pub = self.context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        # report every subscription, duplicates too: a tracker that restarts subscribes again
+        # while its predecessor's subscription may not be gone yet (the default XPUB would
+        # swallow the second one and wait_subscribed would time out)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         if self.connect:
             self.pub.connect(self.endpoint)
         else:

@@ -15,6 +15,7 @@ from tests.conftest import VECTORS
 from tracker import events as codec
 from tracker.errors import DecodeError
 from tracker.events import (
+    NEWEST_ERA,
     REPLAY_END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -29,6 +30,7 @@ from tracker.events import (
     encode_batch,
     encode_message,
     external_hash_u64,
+    wire_era,
 )
 
 U64 = (1 << 64) - 1
@@ -59,7 +61,8 @@ EVENT_TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}
 def test_golden_vectors_are_present() -> None:
     releases = {p.stem for p in GOLDEN_FILES}
     assert {"vllm-v0.9.0", "vllm-v0.9.1", "vllm-v0.10.2", "vllm-v0.24.0"} <= releases
-    assert len(GOLDEN) >= 60
+    assert {"vllm-v0.25.1", "vllm-v0.32.0", "vllm-v0.33.0"} <= releases
+    assert len(GOLDEN) >= 85
 
 
 def _to_json(value: Any) -> Any:
@@ -130,7 +133,10 @@ def test_golden_reencode_is_byte_identical(vector: dict[str, Any]) -> None:
         ("v0.19.1", WireEra.V0_17_0),
         ("v0.23.0", WireEra.V0_22_0),
         ("v0.25.1", WireEra.V0_24_0),
-        ("v0.29.0", WireEra.V0_24_0),
+        ("v0.26.0", WireEra.V0_26_0),
+        ("v0.32.0", WireEra.V0_26_0),
+        ("v0.33.0", WireEra.V0_33_0),
+        ("v0.40.1", WireEra.V0_33_0),
         ("v0.8.5", WireEra.V0_9_0),
     ],
 )
@@ -427,12 +433,19 @@ _stored_events = st.builds(
     group_idx=_opt_int,
     kv_cache_spec_kind=_opt_str,
     kv_cache_spec_sliding_window=_opt_int,
+    locality=_opt_str,
+    ownership=_opt_str,
+    session_id=_opt_str,
+    lookahead_token_ids=st.none()
+    | st.lists(st.none() | st.lists(st.integers(0, (1 << 32) - 1), max_size=3), max_size=3),
 )
 _removed_events = st.builds(
     BlockRemoved,
     block_hashes=st.lists(_hash, min_size=1, max_size=4),
     medium=_opt_str,
     group_idx=_opt_int,
+    locality=_opt_str,
+    ownership=_opt_str,
 )
 _batches = st.builds(
     EventBatch,
@@ -562,3 +575,51 @@ def test_bad_replay_replies(frames: list[bytes]) -> None:
 
 def test_golden_directory_is_the_shared_one() -> None:
     assert Path(VECTORS).is_dir()
+
+
+@pytest.mark.parametrize("vector", GOLDEN)
+def test_wire_era_is_a_lower_bound_of_the_release(vector: dict[str, Any]) -> None:
+    era = wire_era(bytes.fromhex(vector["payload_hex"]))
+    assert era is not None
+    assert codec._ERA_ORDER[era] <= codec._ERA_ORDER[WireEra.for_release(vector["tag"])]
+
+
+@pytest.mark.parametrize(
+    ("release", "name", "era"),
+    [
+        ("v0.9.0", "stored_two_blocks_root", WireEra.V0_9_0),
+        ("v0.22.0", "stored_two_blocks_root", WireEra.V0_22_0),
+        ("v0.25.1", "removed_one", WireEra.V0_24_0),
+        ("v0.32.0", "stored_locality_session", WireEra.V0_26_0),
+        ("v0.32.0", "removed_remote", WireEra.V0_26_0),
+        ("v0.33.0", "stored_lookahead", WireEra.V0_33_0),
+    ],
+)
+def test_wire_era_recognises_each_eras_fields(release: str, name: str, era: WireEra) -> None:
+    vector = next(
+        v.values[0] for v in GOLDEN if v.values[0]["tag"] == release and v.values[0]["name"] == name
+    )
+    assert wire_era(bytes.fromhex(vector["payload_hex"])) is era
+
+
+@pytest.mark.parametrize("payload", [b"", b"\xc1", msgspec.msgpack.encode({"ts": 1})])
+def test_wire_era_of_garbage_is_none(payload: bytes) -> None:
+    assert wire_era(payload) is None
+
+
+def test_newest_era_encodes_the_new_fields_only_when_set() -> None:
+    plain = EventBatch(TS, [BlockStored([1], None, [1], 1, medium="GPU")], 0)
+    assert encode_batch(plain, WireEra.V0_26_0) == encode_batch(plain, WireEra.V0_24_0)
+    # v0.33's BlockStored has 16 fields with its tag: msgspec keeps a map16 header
+    newest = encode_batch(plain, NEWEST_ERA)
+    assert newest[11:14] == b"\xde\x00\x08"
+    assert decode_batch(newest) == plain
+    tiered = BlockRemoved([1], medium="STORAGE", locality="REMOTE", ownership="tier-2")
+    wire = msgspec.msgpack.decode(encode_batch(EventBatch(TS, [tiered], 0), NEWEST_ERA))
+    assert wire[1][0] == {
+        "type": "BlockRemoved",
+        "block_hashes": [1],
+        "medium": "STORAGE",
+        "locality": "REMOTE",
+        "ownership": "tier-2",
+    }

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tracker.blocks import Namespace, block_keys
+from tracker.blocks import Namespace, block_keys, own_extra_keys
 from tracker.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, UnknownEvent
 from tracker.ledger import EngineBlock, ReplicaLedger, Tier, tier_of
 
@@ -204,6 +204,35 @@ def test_lora_and_extra_keys_feed_the_block_key() -> None:
     salted_key = block_keys(TOKENS[:2], NS, extra_keys=[("salt",)])[0]
     assert held(ledger) == {lora_key: GPU, salted_key: GPU}
     assert ledger.namespace == NS
+
+
+def test_lora_keys_are_the_same_before_and_after_v0_26() -> None:
+    # v0.26+ puts the LoRA name first in every block's extra keys; v0.17-v0.25 did not.
+    # Both must give the keys a router computes from the adapter's namespace and the salt.
+    router = block_keys(TOKENS[:4], Namespace("m", 2, "ad"), extra_keys=[("salt",)])
+    old = ledger_with(stored([1, 2], TOKENS[:4], lora_name="ad", extra_keys=[["salt"], None]))
+    new = ledger_with(
+        stored([1, 2], TOKENS[:4], lora_name="ad", extra_keys=[["ad", "salt"], ["ad"]])
+    )
+    assert held(old) == held(new) == dict.fromkeys(router, GPU)
+    # without a salt, v0.26 lists the name alone on every block
+    plain = ledger_with(stored([1, 2], TOKENS[:4], lora_name="ad", extra_keys=[["ad"], ["ad"]]))
+    assert held(plain) == dict.fromkeys(block_keys(TOKENS[:4], Namespace("m", 2, "ad")), GPU)
+
+
+@pytest.mark.parametrize(
+    ("lora", "extra", "own"),
+    [
+        (None, None, None),
+        (None, [["s"]], [["s"]]),
+        ("ad", None, None),
+        ("ad", [["ad", "s"], ["ad"]], [("s",), None]),
+        ("ad", [["s"], None], [["s"], None]),  # pre-v0.26: left alone
+        ("ad", [["ad"], ["mm", 0]], [["ad"], ["mm", 0]]),  # not every block names it
+    ],
+)
+def test_own_extra_keys(lora: str | None, extra: Any, own: Any) -> None:
+    assert own_extra_keys(lora, extra) == own
 
 
 def test_ledger_namespace_is_the_base_partition() -> None:

@@ -175,6 +175,7 @@ async def test_tracker_process_replays_fences_and_stops(
             assert placed["blocks"] == 4
             assert placed["replicas"]["r1"]["matched_blocks"] == 4
             assert placed["replicas"]["r1"]["matched_tokens"] == 16
+            assert (await replica())["wire_era"] == "v0.24.0"  # what the test publisher speaks
 
             # 2. the engine restarts: seq starts over with other blocks
             await publisher.restart()
