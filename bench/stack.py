@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -76,6 +77,66 @@ def _free(port: int) -> bool:
 
 
 @dataclass(frozen=True)
+class VllmEngines:
+    """Real vLLM engines (its CPU build, ``scripts/vllm-install``) in place of simulated ones.
+
+    :param binary: the ``vllm`` entry point of the virtualenv it is installed in.
+    :param model: the model directory served (and the routers' tokenizer and chat template).
+    :param num_gpu_blocks: KV-cache blocks per engine (``--num-gpu-blocks-override``); None:
+        what ``VLLM_CPU_KVCACHE_SPACE`` holds.
+    :param nice: niceness of the engines: vLLM's CPU engine busy-polls, and two of them on a
+        2-core machine starve the tracker of the time to apply their events.
+    """
+
+    binary: Path
+    model: Path
+    num_gpu_blocks: int | None = None
+    max_model_len: int = 4096
+    nice: int = 5
+    env: tuple[tuple[str, str], ...] = (
+        ("VLLM_TARGET_DEVICE", "cpu"),
+        ("VLLM_CPU_KVCACHE_SPACE", "1"),
+        ("OMP_NUM_THREADS", "1"),
+        ("VLLM_SERVER_DEV_MODE", "1"),  # POST /reset_prefix_cache
+    )
+
+    def argv(self, model: str, block_size: int, port: int, events: int, replay: int) -> list[str]:
+        events_config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            # vLLM binds only a wildcard endpoint (and connects to anything else)
+            "endpoint": f"tcp://*:{events}",
+            "replay_endpoint": f"tcp://*:{replay}",
+            "topic": "",
+        }
+        argv = [
+            *(["nice", "-n", str(self.nice)] if self.nice else []),
+            str(self.binary),
+            "serve",
+            str(self.model),
+            "--served-model-name",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--block-size",
+            str(block_size),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--kv-events-config",
+            json.dumps(events_config),
+        ]
+        if self.num_gpu_blocks is not None:
+            argv += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        return argv
+
+
+@dataclass(frozen=True)
 class StackConfig:
     """Shape of the local stack."""
 
@@ -95,6 +156,9 @@ class StackConfig:
     # one `kvrouter replica` process per engine (named replica-0 ..), so that a fault can hit
     # one engine; engine i's id is then replica-i-0 (see LocalStack.replica_ids)
     replica_processes: bool = False
+    # real vLLM engines instead (named vllm-0 ..; nothing registers them: every process is
+    # given them with --replica)
+    vllm: VllmEngines | None = None
 
 
 @dataclass
@@ -104,6 +168,7 @@ class _Proc:
     health: str | None
     log: IO[bytes]
     popen: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] | None = None
 
 
 @dataclass
@@ -167,9 +232,11 @@ class LocalStack:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _add(self, name: str, argv: list[str], health: str | None) -> None:
+    def _add(
+        self, name: str, argv: list[str], health: str | None, env: dict[str, str] | None = None
+    ) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
-        self._procs[name] = _Proc(name, argv, health, log)
+        self._procs[name] = _Proc(name, argv, health, log, env=env)
 
     def _plan(self) -> None:
         cfg, kv = self.config, kvrouter_bin()
@@ -180,24 +247,39 @@ class LocalStack:
             except RuntimeError as exc:
                 raise StackError(str(exc)) from None
             self._add("redis", argv, None)
-        groups = (
-            [(f"replica-{i}", i, 1) for i in range(cfg.replicas)]
-            if cfg.replica_processes
-            else [("replicas", 0, cfg.replicas)]
-        )
-        for name, first, count in groups:
-            ids = ["--id-prefix", f"replica-{first}-"] if cfg.replica_processes else []
-            self._add_replicas(name, first, count, [*ids, *redis_flags])
+        if cfg.vllm is not None:
+            for i in range(cfg.replicas):
+                argv = cfg.vllm.argv(
+                    cfg.model,
+                    cfg.block_size,
+                    self.replica_port + i,
+                    self.events_port + i,
+                    self.replay_port + i,
+                )
+                self._add(f"vllm-{i}", argv, f"{self.replica_urls[i]}/health", dict(cfg.vllm.env))
+        else:
+            groups = (
+                [(f"replica-{i}", i, 1) for i in range(cfg.replicas)]
+                if cfg.replica_processes
+                else [("replicas", 0, cfg.replicas)]
+            )
+            for name, first, count in groups:
+                ids = ["--id-prefix", f"replica-{first}-"] if cfg.replica_processes else []
+                self._add_replicas(name, first, count, [*ids, *redis_flags])
+        # engines nobody registers are given to every process
+        static = cfg.vllm is not None or not cfg.redis
+        specs = [f for s in self.replica_specs() for f in ("--replica", s)] if static else []
+        vllm_flags = []
+        if cfg.vllm is not None:
+            model = str(cfg.vllm.model)
+            vllm_flags = ["--tokenizer", model, "--chat-template", f"{model}/tokenizer_config.json"]
         if cfg.redis:
-            self._add(
-                "tracker",
-                [kv, "tracker", *redis_flags, "--http-port", str(self.tracker_port)],
-                f"http://127.0.0.1:{self.tracker_port}/health",
-            )
+            tracker = [kv, "tracker", *redis_flags, "--http-port", str(self.tracker_port)]
+            if static:
+                tracker += ["--model", cfg.model, "--block-size", str(cfg.block_size), *specs]
+            self._add("tracker", tracker, f"http://127.0.0.1:{self.tracker_port}/health")
         for i, port in enumerate(self.router_ports):
-            replicas = (
-                [] if cfg.redis else [f for s in self.replica_specs() for f in ("--replica", s)]
-            )
+            replicas = [*specs, *vllm_flags]
             self._add(
                 f"router-{i}",
                 [
@@ -344,6 +426,7 @@ class LocalStack:
     def _launch(self, proc: _Proc, extra_args: Sequence[str] = ()) -> None:
         proc.popen = subprocess.Popen(
             [*proc.argv, *extra_args],
+            env=None if proc.env is None else {**os.environ, **proc.env},
             stdout=proc.log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
