@@ -93,6 +93,7 @@ class VllmEngines:
     num_gpu_blocks: int | None = None
     max_model_len: int = 4096
     nice: int = 5
+    events_host: str = "*"  # anything but a wildcard makes vLLM connect its PUB socket out
     env: tuple[tuple[str, str], ...] = (
         ("VLLM_TARGET_DEVICE", "cpu"),
         ("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -105,7 +106,7 @@ class VllmEngines:
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             # vLLM binds only a wildcard endpoint (and connects to anything else)
-            "endpoint": f"tcp://*:{events}",
+            "endpoint": f"tcp://{self.events_host}:{events}",
             "replay_endpoint": f"tcp://*:{replay}",
             "topic": "",
         }
@@ -152,6 +153,7 @@ class StackConfig:
     max_num_batched_tokens: int = 8192
     router_args: tuple[str, ...] = ()
     replica_args: tuple[str, ...] = ()
+    tracker_args: tuple[str, ...] = ()
     workdir: Path | None = None
     # one `kvrouter replica` process per engine (named replica-0 ..), so that a fault can hit
     # one engine; engine i's id is then replica-i-0 (see LocalStack.replica_ids)
@@ -277,6 +279,7 @@ class LocalStack:
             tracker = [kv, "tracker", *redis_flags, "--http-port", str(self.tracker_port)]
             if static:
                 tracker += ["--model", cfg.model, "--block-size", str(cfg.block_size), *specs]
+            tracker += cfg.tracker_args
             self._add("tracker", tracker, f"http://127.0.0.1:{self.tracker_port}/health")
         for i, port in enumerate(self.router_ports):
             replicas = [*specs, *vllm_flags]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -131,3 +132,92 @@ def test_index_shows_where_a_prompt_is_cached(stack: LocalStack) -> None:
     holder = sent.headers[REPLICA_HEADER]
     matched = {r: m["matched_tokens"] for r, m in where["replicas"].items() if m["matched_tokens"]}
     assert holder in matched and matched[holder] >= 3000, where
+
+
+def _tracker_health(stack: LocalStack) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{stack.tracker_port}/health").json()
+    return body
+
+
+def _wait(check: Any, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_an_engine_restart_fences_its_blocks(stack: LocalStack) -> None:
+    """SIGKILL one vLLM (its engine process too) and start it again: its sequence numbers
+    start over, and with its first event the tracker drops what the old process held."""
+    old, new = chat(3, "before the restart"), chat(4, "after the restart")
+    with httpx.Client(base_url=stack.entry_url, timeout=120) as client:
+        placed = client.post("/v1/chat/completions", json=old).headers[REPLICA_HEADER]
+
+        def held(body: dict[str, Any]) -> int:
+            where = client.post("/index", json=body).json()["replicas"].get(placed, {})
+            return int(where.get("matched_tokens", 0))
+
+        _wait(lambda: held(old) >= 3000, 30, "the old process's blocks are indexed")
+        index = int(placed.rsplit("-", 1)[1])
+        pid = stack.pid(f"vllm-{index}")
+        assert pid is not None
+        os.killpg(pid, signal.SIGKILL)  # the API server and its engine core child
+        stack.kill(f"vllm-{index}")
+        stack.restart(f"vllm-{index}", timeout_s=180)
+        # the new process publishes from sequence 0 with its first request
+        direct = httpx.post(
+            f"{stack.replica_urls[index]}/v1/chat/completions", json=new, timeout=120
+        )
+        assert direct.status_code == 200
+        _wait(lambda: held(new) >= 3000, 30, "the new process's blocks are indexed")
+        assert held(old) == 0  # fenced: the old process's cache is gone
+    metrics = httpx.get(f"http://127.0.0.1:{stack.tracker_port}/metrics").text
+    assert 'kvrouter_tracker_resets_total{cause="seq_reset"} 1.0' in metrics
+    assert _tracker_health(stack)["replicas"][placed]["synced"]
+
+
+@pytest.fixture(scope="module")
+def silent_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """One vLLM whose endpoint names a loopback address: vLLM connects its PUB out."""
+    config = StackConfig(
+        replicas=1,
+        routers=1,
+        haproxy=False,
+        model=MODEL_NAME,
+        block_size=32,
+        vllm=VllmEngines(VLLM, MODEL, num_gpu_blocks=160, events_host="127.0.0.1"),
+        tracker_args=("--silence-check-s", "2"),
+        router_args=("--lookup-timeout-ms", "250", "--predict-ttl-s", "0"),
+        workdir=tmp_path_factory.mktemp("vllm-silent"),
+    )
+    stack = LocalStack(config).start(timeout_s=300)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_a_connecting_vllm_endpoint_is_noticed_and_the_index_stays_right(
+    silent_stack: LocalStack,
+) -> None:
+    """The misconfiguration that passes every simulated test: ``tcp://127.0.0.1:P`` makes
+    vLLM connect, the tracker's SUB connects too, and no live event ever flows."""
+    stack = silent_stack
+    with httpx.Client(base_url=stack.entry_url, timeout=120) as client:
+        body = chat(2, "is anyone listening?")
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+        def silent() -> bool:
+            replica = _tracker_health(stack)["replicas"].get("replica-0", {})
+            return bool(replica.get("live_silent"))
+
+        _wait(silent, 30, "the tracker noticed the silent live stream")
+        where = client.post("/index", json=body).json()["replicas"]["replica-0"]
+        assert int(where["matched_tokens"]) >= 3000  # indexed all the same, from replay
+        answer = client.post("/v1/chat/completions", json=body)
+        cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert int(answer.headers[PREDICTED_HEADER]) == cached > 0
+    metrics = httpx.get(f"http://127.0.0.1:{stack.tracker_port}/metrics").text
+    assert 'kvrouter_tracker_replica_live_silent{replica="replica-0"} 1.0' in metrics
+    log = (stack.workdir / "tracker.log").read_text()
+    assert "live events are silent" in log and "tcp://*:P" in log
