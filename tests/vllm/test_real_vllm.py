@@ -7,11 +7,13 @@ hold one of the ~3,600-token system prompts at a time, so nearly every request e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,28 +39,35 @@ def system_prompt(n: int) -> str:
     return f"[system {n}] " + " ".join(rng.choice(words) for _ in range(1250))
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+@contextlib.contextmanager
+def vllm_stack(workdir: Path, **overrides: Any) -> Iterator[LocalStack]:
+    """A started local stack on real vLLM engines (160-block caches), stopped after."""
+    engines = {"num_gpu_blocks": 160, **overrides.pop("engines", {})}
     config = StackConfig(
-        replicas=2,
-        routers=2,
         model=MODEL_NAME,
         block_size=32,  # the CPU attention backend wants a multiple of 32
-        vllm=VllmEngines(VLLM, MODEL, num_gpu_blocks=160),
-        # two busy-polling CPU engines share 2 cores with Redis: a lookup can overrun the
-        # default 10 ms budget and be answered by load alone (as tests/test_topology.py)
-        router_args=(
-            "--lookup-timeout-ms",
-            "250",
-            *os.environ.get("KVROUTER_VLLM_ROUTER_ARGS", "").split(),
-        ),
-        workdir=tmp_path_factory.mktemp("vllm-stack"),
+        vllm=VllmEngines(VLLM, MODEL, **engines),
+        workdir=workdir,
+        **overrides,
     )
     stack = LocalStack(config).start(timeout_s=300)  # two vLLM start in ~60 s on 2 cores
     try:
         yield stack
     finally:
         stack.stop()
+
+
+# two busy-polling CPU engines share 2 cores with Redis: a lookup can overrun the default
+# 10 ms budget and be answered by load alone (as in tests/test_topology.py)
+LOOKUP_BUDGET = ("--lookup-timeout-ms", "250")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    extra = tuple(os.environ.get("KVROUTER_VLLM_ROUTER_ARGS", "").split())
+    workdir = tmp_path_factory.mktemp("vllm-stack")
+    with vllm_stack(workdir, replicas=2, routers=2, router_args=(*LOOKUP_BUDGET, *extra)) as s:
+        yield s
 
 
 def chat(n: int, question: str, **extra: Any) -> dict[str, Any]:
@@ -179,22 +188,16 @@ def test_an_engine_restart_fences_its_blocks(stack: LocalStack) -> None:
 @pytest.fixture(scope="module")
 def silent_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """One vLLM whose endpoint names a loopback address: vLLM connects its PUB out."""
-    config = StackConfig(
+    with vllm_stack(
+        tmp_path_factory.mktemp("vllm-silent"),
         replicas=1,
         routers=1,
         haproxy=False,
-        model=MODEL_NAME,
-        block_size=32,
-        vllm=VllmEngines(VLLM, MODEL, num_gpu_blocks=160, events_host="127.0.0.1"),
+        engines={"events_host": "127.0.0.1"},
         tracker_args=("--silence-check-s", "2"),
-        router_args=("--lookup-timeout-ms", "250", "--predict-ttl-s", "0"),
-        workdir=tmp_path_factory.mktemp("vllm-silent"),
-    )
-    stack = LocalStack(config).start(timeout_s=300)
-    try:
+        router_args=(*LOOKUP_BUDGET, "--predict-ttl-s", "0"),
+    ) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def test_a_connecting_vllm_endpoint_is_noticed_and_the_index_stays_right(
