@@ -93,6 +93,7 @@ class VllmEngines:
     num_gpu_blocks: int | None = None
     max_model_len: int = 4096
     nice: int = 5
+    attach: bool = False  # register through kvrouter's vllm.general_plugins shim (needs Redis)
     events_host: str = "*"  # anything but a wildcard makes vLLM connect its PUB socket out
     env: tuple[tuple[str, str], ...] = (
         ("VLLM_TARGET_DEVICE", "cpu"),
@@ -258,7 +259,21 @@ class LocalStack:
                     self.events_port + i,
                     self.replay_port + i,
                 )
-                self._add(f"vllm-{i}", argv, f"{self.replica_urls[i]}/health", dict(cfg.vllm.env))
+                env = dict(cfg.vllm.env)
+                if cfg.vllm.attach and self.redis_url:
+                    # the shim inside vLLM heartbeats the registry entry (publishers/vllm.py)
+                    env |= {
+                        "KVROUTER_ATTACH_REDIS": self.redis_url,
+                        "KVROUTER_ATTACH_ID": self.replica_ids[i],
+                        "KVROUTER_ATTACH_URL": self.replica_urls[i],
+                        "KVROUTER_ATTACH_EVENTS": f"tcp://127.0.0.1:{self.events_port + i}",
+                        "KVROUTER_ATTACH_REPLAY": f"tcp://127.0.0.1:{self.replay_port + i}",
+                        "KVROUTER_ATTACH_MODEL": cfg.model,
+                        "KVROUTER_ATTACH_BLOCK_SIZE": str(cfg.block_size),
+                        "KVROUTER_ATTACH_HEARTBEAT_S": "1",
+                        "KVROUTER_ATTACH_TTL_S": "5",
+                    }
+                self._add(f"vllm-{i}", argv, f"{self.replica_urls[i]}/health", env)
         else:
             groups = (
                 [(f"replica-{i}", i, 1) for i in range(cfg.replicas)]
@@ -269,7 +284,7 @@ class LocalStack:
                 ids = ["--id-prefix", f"replica-{first}-"] if cfg.replica_processes else []
                 self._add_replicas(name, first, count, [*ids, *redis_flags])
         # engines nobody registers are given to every process
-        static = cfg.vllm is not None or not cfg.redis
+        static = not cfg.redis or (cfg.vllm is not None and not cfg.vllm.attach)
         specs = [f for s in self.replica_specs() for f in ("--replica", s)] if static else []
         vllm_flags = []
         if cfg.vllm is not None:
