@@ -216,17 +216,20 @@ class ReplicaMonitor:
         """Read every healthy replica's engine gauges once, with every router's requests in
         flight on it at that moment: the part of its KV usage that finishes with them."""
         healthy = [r for r in self.replicas.all() if r.healthy]
+        if self.load is None:
+            await asyncio.gather(*(self._scrape(r, None) for r in healthy))
+            return
         routed: dict[str, int] = {}
-        if self.load is not None:
-            for namespace in {r.namespace for r in healthy}:
-                try:
-                    loads = await self.load.snapshot(namespace)
-                except IndexUnavailableError:
-                    loads = self.load.local_snapshot(namespace)
-                routed.update((replica, load.inflight) for replica, load in loads.items())
+        for namespace in {r.namespace for r in healthy}:
+            try:
+                loads = await self.load.snapshot(namespace)
+            except IndexUnavailableError:
+                loads = self.load.local_snapshot(namespace)
+            routed.update((replica, load.inflight) for replica, load in loads.items())
         await asyncio.gather(*(self._scrape(r, routed.get(r.id, 0)) for r in healthy))
 
-    async def _scrape(self, replica: Replica, routed: int | None = None) -> None:
+    async def _scrape(self, replica: Replica, routed: int | None) -> None:
+        """One replica's gauges; ``routed``: the routers' requests on it then (None: unknown)."""
         async with self._limit:
             try:
                 status, text = await self.upstream.get(
@@ -237,9 +240,9 @@ class ReplicaMonitor:
         if status != 200:
             return
         try:
-            engine = parse_engine_metrics(text, time.monotonic())
-            if self.load is not None:
-                engine = dataclasses.replace(engine, routed=routed)
+            engine = dataclasses.replace(
+                parse_engine_metrics(text, time.monotonic()), routed=routed
+            )
             replica.engine = engine
             if engine.cache_blocks is not None:
                 replica.cache_blocks = engine.cache_blocks

@@ -141,7 +141,6 @@ class Placer:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self.churn = ChurnBook()
-        # per replica: the engine scrape last seen and the routers' in-flight count then
         self._mixed: set[str] = set()
         self._policies: dict[int, PolicyConfig] = {}
 

@@ -222,12 +222,13 @@ class ReplicaStream:
             await self._catch_up()
         self.primed = True
 
-    async def _catch_up(self) -> None:
-        """Replay what was missed while nobody listened (tracker restart, fence)."""
+    async def _catch_up(self) -> bool:
+        """Replay what was missed while nobody listened (tracker restart, fence, a silent
+        live stream); whether the replay had any batch past the checkpoint."""
         start = 0 if self.last is None else self.last + 1
         fetched = await self._fetch(start)
         if fetched is None:
-            return  # best effort: the first live message takes the regular path
+            return False  # best effort: the first live message takes the regular path
         messages = fetched.messages
         if not fetched.complete and self.last is not None:
             self._gap(messages[0].seq - start)
@@ -237,6 +238,7 @@ class ReplicaStream:
             )
             await self._clear("unrecoverable_gap")
         await self._apply_replayed(messages, from_zero=start == 0)
+        return bool(messages)
 
     async def _on_live(self, message: Message) -> None:
         self._metrics.messages.labels("live").inc()
@@ -367,15 +369,9 @@ class ReplicaStream:
         correct, a second behind at most while silent), and it is said loudly, once.
         """
         self._checked_at = time.monotonic()
-        start = 0 if self.last is None else self.last + 1
-        fetched = await self._fetch(start)
-        if fetched is None or not fetched.messages:
+        if not await self._catch_up():
             return  # an idle engine (or no answer: the replay issue is counted there)
         self._metrics.silent_polls.labels(self.id).inc()
-        if not fetched.complete and self.last is not None:
-            self._gap(fetched.messages[0].seq - start)
-            await self._clear("unrecoverable_gap")
-        await self._apply_replayed(fetched.messages, from_zero=start == 0)
         if not self.silent:
             self.silent = True
             self._metrics.live_silent.labels(self.id).set(1)
