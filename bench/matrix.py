@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from bench.capacity import EngineShape, ttft_floors
+from bench.capacity import EngineShape, WorkloadShape, capacity, ttft_floors
 from bench.commands import BenchSettings, plan
 from bench.harness import POLICIES, Harness
 from bench.peers import INSTALL_HINT, PEERS, missing
@@ -392,6 +392,16 @@ def report(verdicts: Sequence[Verdict]) -> str:
     return "\n".join(parts)
 
 
+def ideal_load(meta: dict[str, Any]) -> float:
+    """The cell's arrival rate over the ideal capacity as :mod:`bench.capacity` reckons it now
+    (from the workload shape and fleet stored with the run, so that runs made before a fix
+    of the capacity model read alike)."""
+    fleet = meta["fleet"]
+    engine = EngineShape(load_profile(fleet["profile"]), fleet["num_blocks"], fleet["block_size"])
+    ideal = capacity(WorkloadShape(**meta["shape"]), engine, fleet["replicas"]).ideal_rps
+    return float(meta["rate_rps"]) / ideal if ideal else 0.0
+
+
 def full_tables(verdicts: Sequence[Verdict]) -> str:
     """Every cell's whole per-policy table (docs/matrix.md)."""
     parts = []
@@ -402,7 +412,7 @@ def full_tables(verdicts: Sequence[Verdict]) -> str:
             f"{meta['workload']['name']}, {meta['requests']} requests, "
             f"{meta['fleet']['replicas']} engines x {meta['fleet']['num_blocks']} blocks, "
             f"{meta['fleet']['routers']} router(s), {meta['rate_rps']:.1f} req/s "
-            f"({meta['load']:.0%} of the ideal capacity), time scale {meta['time_scale']:g}; "
+            f"({ideal_load(meta):.0%} of the ideal capacity), time scale {meta['time_scale']:g}; "
             f"run {meta['date']}\n\n{policy_table(v.summaries, [])}"
         )
     return "\n".join(parts)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.capacity import EngineShape, capacity, measure_shape
+from bench.capacity import EngineShape, WorkloadShape, capacity, measure_shape
 from bench.workloads import (
     TRACE_BLOCK_TOKENS,
     Workload,
@@ -159,3 +159,22 @@ def test_capacity_sharing_raises_what_the_fleet_can_serve() -> None:
     assert shape.shared_blocks == 64 * 129
     fleet = capacity(shape, engine, 8)
     assert fleet.ideal_rps > 3 * fleet.blind_rps > 0
+
+
+def test_capacity_counts_the_cache_that_prefixes_leave_to_running_requests() -> None:
+    # 4 engines x 1,024 blocks; the 10 prefixes of the matrix fill 3,010 blocks, 73 % of the
+    # fleet's cache, so the requests that run share the remaining 27 % (until 2026-12 the
+    # ideal counted at most half of each cache as prefixes, and overstated this fleet 2.1x)
+    engine = EngineShape(load_profile("llama-8b"), 1024, 16)
+
+    def shape(shared_blocks: int) -> WorkloadShape:
+        return WorkloadShape(320, 4979.0, 64.0, 313.5, shared_blocks, 15.0)
+
+    roomy, full = capacity(shape(2048), engine, 4), capacity(shape(3010), engine, 4)
+    assert full.ideal_limit == "kv_cache"
+    # 460 vs 220 free blocks per engine: the fleet runs about half as many requests at once
+    assert 1.8 < roomy.ideal_rps / full.ideal_rps < 2.4
+    # prefixes that do not fit at all: the ideal keeps fewer, never worse than keeping none
+    tiny = EngineShape(load_profile("llama-8b"), 400, 16)
+    starved = capacity(shape(3010), tiny, 4)
+    assert starved.ideal_rps >= starved.blind_rps > 0
