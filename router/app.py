@@ -174,8 +174,11 @@ class Router:
             logger.warning("index not reachable at start-up", extra={"error": str(exc)})
 
     def _forget_replica(self, replica: str) -> None:
-        """A replica left the registry: drop its connection pool (speeds are per model)."""
+        """A replica left the registry: drop its connection pool and what its cache held
+        (speeds are per model)."""
         self.upstream.retire(replica)
+        if self.placer.reuse is not None:
+            self.placer.reuse.forget(replica)
 
     async def stop(self) -> None:
         await self.monitor.stop()

@@ -114,6 +114,12 @@ class RouterSettings(LogSettings):
         "a prefix's home (the replica it was last routed to) keeps priority this long after "
         "its blocks are evicted, fading linearly (0: off)",
     )
+    reuse_window_s: float = setting(
+        30.0,
+        "a replica's cached prefix counts as worth keeping (evicting it costs) while routed "
+        "requests reused it within this window; the rest of its cache is free to evict "
+        "(0: every cached block counts)",
+    )
     connect_timeout_s: float = setting(1.0, "upstream connect timeout")
     first_byte_timeout_s: float = setting(
         600.0, "upstream answer timeout (a stream's first chunk; a whole non-stream answer)"
@@ -180,6 +186,7 @@ class RouterSettings(LogSettings):
             "retries",
             "predict_ttl_s",
             "home_ttl_s",
+            "reuse_window_s",
             "metrics_interval_s",
             "tokenizer_cache_tokens",
             "lookup_timeout_per_block_us",

@@ -63,6 +63,7 @@ class DecisionJournal:
                 "split_tokens": round(score.split_tokens, 1),
                 "regret": round(score.regret, 3),
                 "resident": state.resident_blocks,
+                "valued": state.valued_blocks,
                 "cache_blocks": state.cache_blocks,
                 "churn": None if state.churn is None else round(state.churn, 3),
                 "home": round(state.home_blocks, 1),

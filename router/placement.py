@@ -29,6 +29,7 @@ from router.metrics import RouterMetrics
 from router.policy import Decision, PolicyConfig, ReplicaState, Score, decide
 from router.replicas import Replica, ReplicaSet
 from router.requests import PromptRequest
+from router.reuse import ReuseBook
 from router.tokenize import PromptTokenizer
 from tracker.blocks import Namespace, block_keys
 from tracker.errors import ConfigError
@@ -141,6 +142,8 @@ class Placer:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self.churn = ChurnBook()
+        window = settings.reuse_window_s
+        self.reuse = ReuseBook(window) if window > 0 else None
         self._mixed: set[str] = set()
         self._policies: dict[int, PolicyConfig] = {}
 
@@ -244,6 +247,9 @@ class Placer:
         if not dry_run:
             for stage, seconds in stages.items():
                 self.metrics.decision.labels(stage).observe(seconds)
+            if self.reuse is not None and keys:
+                chosen = decision.chosen
+                self.reuse.record(chosen.replica, keys[0], chosen.matched_tokens // block_size)
             if self.journal is not None:
                 self.journal.record(
                     model=model,
@@ -298,6 +304,7 @@ class Placer:
                     resident_blocks=resident.blocks if resident is not None else None,
                     churn=churn[replica.id],
                     home_blocks=self._home(view.homes.get(replica.id)),
+                    valued_blocks=self.reuse.valued(replica.id) if self.reuse else None,
                 )
             )
         return states

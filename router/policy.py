@@ -11,7 +11,7 @@ whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
     gpu        = min(matched_gpu_blocks, usable) * B  # and reuses full blocks only
     offload    = usable * B - gpu
     uncached   = P - usable * B
-    active     = max(inflight, engine_running + engine_waiting)
+    active     = inflight + max(0, engine_running + engine_waiting - routed_at_scrape)
     unseen     = max(0, engine_waiting - inflight)    # waiting requests no router sent
     usage      = projected KV usage: the engine's gauge (scaled by what is still in flight)
                  plus this request's uncached, offloaded and output blocks
@@ -22,7 +22,7 @@ whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
     own_work   = uncached + offload_hit_cost * offload
     expected_ttft_ms = queue_ms + f + s * own_work
     compute    = s * own_work * active                # the requests in flight beside it wait
-    share      = the part of the new blocks that evict cached ones (0 while room is left)
+    share      = the part of the new blocks that evict reused ones (0 while room is left)
     split      = the deepest home claim on the prompt minus this replica's own claim
     evict      = (miss_weight - 1) * s * (1 + busy) * (own_work * share * churn + split * share)
     score      = -(expected_ttft_ms + compute + evict)
@@ -132,6 +132,10 @@ class ReplicaState:
     :param routed_at_scrape: the routers' requests in flight on it when ``kv_usage`` was
         scraped (the rest of ``engine_running`` came from other clients); None: unknown,
         every running request counts as the routers'.
+    :param valued_blocks: the blocks of its cache that routed requests reused lately
+        (:class:`router.reuse.ReuseBook`): what new blocks would push out at a cost; the
+        rest of ``resident_blocks`` is finished requests' own blocks, free to evict. None:
+        unknown, every resident block counts.
     """
 
     id: str
@@ -148,6 +152,7 @@ class ReplicaState:
     churn: float | None = None
     home_blocks: float = 0.0
     routed_at_scrape: int | None = None
+    valued_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,8 +256,15 @@ def fleet_of(candidates: Sequence[ReplicaState], config: PolicyConfig) -> Fleet:
 
 
 def _active(state: ReplicaState) -> int:
-    """Requests in flight on the replica: every router's, or the engine's own count if more."""
-    return max(state.inflight, (state.engine_running or 0) + (state.engine_waiting or 0))
+    """Requests in flight on the replica: every router's, plus the ones other clients sent
+    (the engine's count at the scrape beyond the routers' then; when that split is unknown,
+    the engine's own count if more than the routers')."""
+    engine = (state.engine_running or 0) + (state.engine_waiting or 0)
+    if state.routed_at_scrape is not None:
+        # the routers' requests counted then may have finished since: an engine scraped
+        # while a group's last request ran looked busy after it, and the group left home
+        return state.inflight + max(0, engine - state.routed_at_scrape)
+    return max(state.inflight, engine)
 
 
 def _queued_tokens(state: ReplicaState, config: PolicyConfig) -> float:
@@ -355,12 +367,15 @@ def projected_kv_usage(state: ReplicaState, new_tokens: float, block_size: int) 
 def eviction_share(state: ReplicaState, new_blocks: float) -> float:
     """The share of ``new_blocks`` written on the replica that push a cached block out.
 
-    0 while the cache has never-used room for them; 1 (all of them) when its size or
-    residency is unknown.
+    0 while the cache has room for them: never used, or held by blocks no request reuses
+    (``valued_blocks``); 1 (all of them) when its size or residency is unknown.
     """
     if state.cache_blocks is None or state.resident_blocks is None or new_blocks <= 0:
         return 1.0
-    room = state.cache_blocks - state.resident_blocks
+    held = state.resident_blocks
+    if state.valued_blocks is not None:
+        held = min(held, state.valued_blocks)
+    room = state.cache_blocks - held
     return min(1.0, max(0.0, (new_blocks - room) / new_blocks))
 
 

@@ -161,3 +161,42 @@ def test_a_copy_left_by_outside_traffic_does_not_pull_a_group_from_home() -> Non
     home = ReplicaState("home", home_blocks=PREFIX, inflight=1, **cached, **roomy)
     stray = ReplicaState("stray", **cached, **roomy)
     assert choose([stray, home]) == "stray"
+
+
+def test_blocks_no_request_reuses_are_room() -> None:
+    """A warm engine's cache is always full, mostly of finished requests' own blocks: those
+    are free to evict; only the prefixes routed requests reuse there are worth keeping."""
+    assert eviction_share(full("r"), 200) == 1.0  # reuse unknown: every resident block counts
+    assert eviction_share(full("r", valued_blocks=2 * PREFIX), 200) == 0.0  # 326 free
+    assert eviction_share(full("r", valued_blocks=3 * PREFIX), 200) == pytest.approx(0.305)
+    # the index says what is there at all: reuse seen before a restart holds nothing now
+    assert eviction_share(full("r", resident_blocks=0, valued_blocks=CACHE), 200) == 0.0
+
+
+def test_a_burst_at_a_kv_full_home_overflows_where_nothing_reused_is_evicted() -> None:
+    """Home holds its prefix but its KV memory is taken (it would queue the request behind
+    decodes); another replica's full cache holds two reused prefixes and finished requests'
+    blocks. The copy evicts nothing anyone reuses: it goes there. Were that cache full of
+    reused prefixes, the copy would push one out and split the group: it stays home."""
+    busy = {"inflight": 8, "engine_running": 8, "routed_at_scrape": 8, "kv_usage": 0.97}
+    home = full(
+        "home", matched_blocks=PREFIX, matched_gpu_blocks=PREFIX, home_blocks=PREFIX,
+        queued_prefill_tokens=8 * (PROMPT - PREFIX * 16), valued_blocks=3 * PREFIX, **busy,
+    )  # fmt: skip
+    spare = full("spare", inflight=1, kv_usage=0.1, valued_blocks=2 * PREFIX)
+    assert all(choose([home, spare], seed) == "spare" for seed in range(20))
+    taken = full("taken", inflight=1, kv_usage=0.1, valued_blocks=CACHE)
+    assert all(choose([home, taken], seed) == "home" for seed in range(20))
+
+
+def test_a_scrape_taken_while_the_last_request_ran_does_not_make_home_busy() -> None:
+    """The engine counted the group's previous request, which has finished since: home is
+    idle (seen with two routers and sequential groups: the home looked busy for a scrape
+    interval and the group's next request left it). Other clients' requests still count."""
+    stale = {"engine_running": 1, "routed_at_scrape": 1, "kv_usage": 0.8}
+    home = full("home", home_blocks=PREFIX, **stale)
+    assert score_replica(PROMPT, home, CONFIG).compute_ms == 0.0
+    assert all(choose([full("other"), home], seed) == "home" for seed in range(20))
+    outside = full("home", engine_running=3, engine_waiting=1, routed_at_scrape=1, inflight=1)
+    own = score_replica(PROMPT, outside, CONFIG)
+    assert own.compute_ms == pytest.approx(DEFAULT_SPEED.prefill_ms_per_token * PROMPT * 4)

@@ -1,0 +1,92 @@
+"""Which of each replica's cached blocks routed requests reuse: what an eviction there costs.
+
+The index counts every block a replica's cache holds (:class:`tracker.index.Residency`), and
+once an engine has run for a while its cache is always full: vLLM keeps a finished request's
+blocks until it needs the room. Most of them are worth nothing — a request's own question
+and answer are never asked for again — and they are the first to go (vLLM frees a request's
+blocks tail first, and every hit moves a prefix's blocks to the young end of its LRU queue).
+Counting them as cache that a new prefix would push out made every replica look full, priced
+every miss as an eviction, and kept prefix groups queued at a replica whose KV memory was
+taken while another one had room to spare (docs/architecture.md, "Score").
+
+:class:`ReuseBook` keeps, per replica, the prefixes this router saw reused there within the
+last ``window_s`` seconds — the first block key of the prompt's chain and the deepest cached
+run a request routed there matched — and sums their depths: the blocks an eviction would
+cost. Each router sees only its own requests, which is enough: behind an L4 balancer every
+router sees the same mix of prefixes. It is soft state, like the speed estimates: a router
+that has not watched for a whole window yet answers None (every resident block counts, as
+the index says), so a restarted router does not take warm caches for empty ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Final
+
+_MAX_PREFIXES: Final = 65_536  # per replica; the oldest go first beyond this
+
+
+class _Replica:
+    __slots__ = ("blocks", "prefixes")
+
+    def __init__(self) -> None:
+        self.prefixes: OrderedDict[int, tuple[int, float]] = OrderedDict()  # root -> depth, at
+        self.blocks = 0
+
+
+class ReuseBook:
+    """Blocks per replica that routed requests reused within ``window_s`` (module docstring).
+
+    :param window_s: a prefix counts this long after a request last reused it (> 0).
+    """
+
+    def __init__(self, window_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self.clock = clock
+        self._since = clock()
+        self._replicas: dict[str, _Replica] = {}
+
+    def record(self, replica: str, root: int, blocks: int) -> None:
+        """A request routed to ``replica`` reused ``blocks`` cached blocks of the chain that
+        starts with block key ``root`` (its deepest reuse there since it last lapsed counts)."""
+        if blocks <= 0:
+            return
+        entry = self._replicas.get(replica)
+        if entry is None:
+            entry = self._replicas[replica] = _Replica()
+        old = entry.prefixes.pop(root, None)
+        if old is not None:
+            entry.blocks -= old[0]
+            blocks = max(blocks, old[0])
+        entry.prefixes[root] = (blocks, self.clock())
+        entry.blocks += blocks
+        if len(entry.prefixes) > _MAX_PREFIXES:
+            depth, _ = entry.prefixes.popitem(last=False)[1]
+            entry.blocks -= depth
+
+    def valued(self, replica: str) -> int | None:
+        """Blocks of ``replica``'s cache reused lately; None until the book has watched for
+        a whole window (it cannot tell a cold replica from one it has not seen served)."""
+        now = self.clock()
+        if now - self._since < self.window_s:
+            return None
+        entry = self._replicas.get(replica)
+        if entry is None:
+            return 0
+        horizon = now - self.window_s
+        prefixes = entry.prefixes
+        while prefixes:
+            root, (depth, at) = next(iter(prefixes.items()))
+            if at >= horizon:
+                break
+            del prefixes[root]
+            entry.blocks -= depth
+        return entry.blocks
+
+    def forget(self, replica: str) -> None:
+        """A replica restarted or left: nothing of its old cache is worth anything."""
+        self._replicas.pop(replica, None)
