@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
-_MAX_PREFIXES: Final = 65_536  # per replica; the oldest go first beyond this
+_MAX_PREFIXES: Final = 8_192  # per replica (~1 MB); the oldest go first beyond this
 
 
 class _Replica:

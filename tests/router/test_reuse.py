@@ -47,3 +47,12 @@ def test_prefixes_sum_by_their_deepest_reuse_and_lapse_after_the_window() -> Non
 def test_the_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="window_s"):
         ReuseBook(0.0)
+
+
+def test_a_replica_keeps_a_bounded_number_of_prefixes_oldest_first_out() -> None:
+    clock = Clock()
+    book = ReuseBook(30.0, clock=clock)
+    clock.now += 30.0
+    for root in range(10_000):
+        book.record("a", root=root, blocks=1)
+    assert book.valued("a") == 8_192  # the 1,808 oldest were dropped, and their blocks
