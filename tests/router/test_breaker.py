@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from router.breaker import CircuitBreaker, GuardedIndex
 from router.load import LocalLoadBoard
 from router.metrics import RouterMetrics
+from tests.clock import ManualClock
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
 from tracker.index import Match, MemoryIndex
@@ -19,16 +20,8 @@ from tracker.index import Match, MemoryIndex
 NS = Namespace("m", 16)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_breaker_opens_probes_and_closes() -> None:
-    clock = Clock()
+    clock = ManualClock()
     changes: list[str] = []
     breaker = CircuitBreaker(3, 2.0, clock=clock, on_change=changes.append)
     for _ in range(2):

@@ -5,19 +5,12 @@ from __future__ import annotations
 import pytest
 
 from router.churn import ChurnBook
+from tests.clock import ManualClock
 from tracker.index import Residency
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_rates_from_successive_counts() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     book = ChurnBook(half_life_s=10.0, min_interval_s=1.0, clock=clock)
     book.observe({"a": Residency(10, 1000), "b": Residency(10, 50)})
     assert book.rate("a") is None  # one count is no rate
@@ -36,7 +29,7 @@ def test_rates_from_successive_counts() -> None:
 
 
 def test_rates_are_smoothed_over_the_half_life() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     book = ChurnBook(half_life_s=10.0, clock=clock)
     book.observe({"a": Residency(0, 0)})
     clock.now += 10
@@ -47,7 +40,7 @@ def test_rates_are_smoothed_over_the_half_life() -> None:
 
 
 def test_a_rebuilt_index_starts_over_and_idle_fleets_are_alike() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     book = ChurnBook(clock=clock)
     book.observe({"a": Residency(5, 500), "b": Residency(5, 500)})
     clock.now += 2

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from router.reuse import ReuseBook
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import ManualClock
 
 
 def test_unknown_until_the_book_has_watched_a_whole_window() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     book = ReuseBook(30.0, clock=clock)
     book.record("a", root=1, blocks=300)
     assert book.valued("a") is None  # a restarted router cannot tell cold from unseen
@@ -25,7 +18,7 @@ def test_unknown_until_the_book_has_watched_a_whole_window() -> None:
 
 
 def test_prefixes_sum_by_their_deepest_reuse_and_lapse_after_the_window() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     book = ReuseBook(30.0, clock=clock)
     clock.now += 30.0
     book.record("a", root=1, blocks=300)
@@ -50,7 +43,7 @@ def test_the_window_must_be_positive() -> None:
 
 
 def test_a_replica_keeps_a_bounded_number_of_prefixes_oldest_first_out() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     book = ReuseBook(30.0, clock=clock)
     clock.now += 30.0
     for root in range(10_000):
