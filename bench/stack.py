@@ -159,8 +159,8 @@ class StackConfig:
     # one `kvrouter replica` process per engine (named replica-0 ..), so that a fault can hit
     # one engine; engine i's id is then replica-i-0 (see LocalStack.replica_ids)
     replica_processes: bool = False
-    # real vLLM engines instead (named vllm-0 ..; nothing registers them: every process is
-    # given them with --replica)
+    # real vLLM engines instead (named vllm-0 ..): registered by kvrouter's shim inside vLLM
+    # (VllmEngines.attach), or else given to every process with --replica
     vllm: VllmEngines | None = None
 
 
