@@ -30,6 +30,23 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, that also closes connections accepted while it began.
+
+        uvicorn asks the connections it knows to close once, right after it stops listening.
+        A connection the loop had accepted but not yet handed to its protocol joins after
+        that: it was never asked, so it kept serving (a stopped app) on keep-alive and held
+        the drain until the graceful timeout. Asking again while the drain runs closes it.
+        """
+        drain = asyncio.ensure_future(super().shutdown(sockets))
+        while not drain.done():
+            await asyncio.wait([drain], timeout=0.05)
+            for connection in list(self.server_state.connections):
+                connection.shutdown()
+        drain.result()
+        for connection in list(self.server_state.connections):
+            connection.transport.close()  # past the graceful timeout: a stopped server serves none
+
 
 def bind(host: str, port: int, *, backlog: int = 2048) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: any free port).

@@ -76,3 +76,60 @@ async def test_an_app_whose_startup_fails_is_a_start_error_not_a_hang() -> None:
     with pytest.raises(ConfigError, match="failed to start"):
         await asyncio.wait_for(server.start(), 10)
     assert server.sock.fileno() == -1
+
+
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def _connect_and_ask(port: int, stop: asyncio.Event) -> list[Connection]:
+    """Keep opening keep-alive connections that each got one answer, until ``stop``."""
+    kept: list[Connection] = []
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            return kept  # the socket stopped listening
+        try:
+            writer.write(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n")
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\nok"), 5)
+        except (OSError, asyncio.IncompleteReadError):
+            writer.close()  # the server closed this one as it stopped
+            return kept
+        assert answer.startswith(b"HTTP/1.1 200")
+        kept.append((reader, writer))
+    return kept
+
+
+async def _answered(connection: Connection) -> bool:
+    """Whether a kept-alive connection still answers a request."""
+    reader, writer = connection
+    try:
+        writer.write(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n")
+        await writer.drain()
+        return bool(await asyncio.wait_for(reader.read(64), 5))
+    except OSError:
+        return False
+    finally:
+        writer.close()
+
+
+async def test_no_connection_outlives_stop_not_even_one_accepted_as_it_began() -> None:
+    # uvicorn asks the connections it knows to close once; one that the loop had accepted
+    # but not handed to its protocol yet joined after that and went on serving the stopped
+    # app over keep-alive. Connections keep arriving while each of these servers stops.
+    async def ok(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    for _ in range(12):
+        server = HTTPServer(
+            Starlette(routes=[Route("/", ok)]), bind("127.0.0.1", 0), shutdown_timeout_s=1
+        )
+        await server.start()
+        stop = asyncio.Event()
+        clients = [asyncio.create_task(_connect_and_ask(server.port, stop)) for _ in range(8)]
+        await asyncio.sleep(0.02)
+        await server.stop()
+        stop.set()
+        kept = [connection for each in await asyncio.gather(*clients) for connection in each]
+        assert kept  # connections were kept alive when stop began
+        assert not any(await asyncio.gather(*(_answered(c) for c in kept)))
