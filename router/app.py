@@ -179,6 +179,8 @@ class Router:
         self.upstream.retire(replica)
         if self.placer.reuse is not None:
             self.placer.reuse.forget(replica)
+        if self.placer.occupancy is not None:
+            self.placer.occupancy.forget(replica)
 
     async def stop(self) -> None:
         await self.monitor.stop()

@@ -120,6 +120,12 @@ class RouterSettings(LogSettings):
         "requests reused it within this window; the rest of its cache is free to evict "
         "(0: every cached block counts)",
     )
+    recent_load_half_life_s: float = setting(
+        1.0,
+        "a replica's requests in flight over the last seconds (mean, halving its weight "
+        "this often) price a cold prefill there when more than its count now: an engine "
+        "whose requests just finished does not stay idle (0: the count now)",
+    )
     connect_timeout_s: float = setting(1.0, "upstream connect timeout")
     first_byte_timeout_s: float = setting(
         600.0, "upstream answer timeout (a stream's first chunk; a whole non-stream answer)"
@@ -187,6 +193,7 @@ class RouterSettings(LogSettings):
             "predict_ttl_s",
             "home_ttl_s",
             "reuse_window_s",
+            "recent_load_half_life_s",
             "metrics_interval_s",
             "tokenizer_cache_tokens",
             "lookup_timeout_per_block_us",

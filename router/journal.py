@@ -50,6 +50,7 @@ class DecisionJournal:
                 "gpu": match.gpu_blocks if match else 0,
                 "predicted": match.predicted_blocks if match else 0,
                 "inflight": state.inflight,
+                "recent_inflight": round(state.recent_inflight, 2),
                 "queued_tokens": state.queued_prefill_tokens,
                 "engine_waiting": state.engine_waiting,
                 "engine_running": state.engine_running,

@@ -26,6 +26,7 @@ from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError
 from router.estimator import SpeedBook
 from router.journal import DecisionJournal
 from router.metrics import RouterMetrics
+from router.occupancy import OccupancyBook
 from router.policy import Decision, PolicyConfig, ReplicaState, Score, decide
 from router.replicas import Replica, ReplicaSet
 from router.requests import PromptRequest
@@ -144,6 +145,8 @@ class Placer:
         self.churn = ChurnBook()
         window = settings.reuse_window_s
         self.reuse = ReuseBook(window) if window > 0 else None
+        half_life = settings.recent_load_half_life_s
+        self.occupancy = OccupancyBook(half_life) if half_life > 0 else None
         self._mixed: set[str] = set()
         self._policies: dict[int, PolicyConfig] = {}
 
@@ -247,6 +250,9 @@ class Placer:
         if not dry_run:
             for stage, seconds in stages.items():
                 self.metrics.decision.labels(stage).observe(seconds)
+            if self.occupancy is not None:  # the request joins the chosen replica's count
+                state = next(s for s in states if s.id == decision.replica)
+                self.occupancy.observe(state.id, state.inflight + 1)
             if self.reuse is not None and keys:
                 chosen = decision.chosen
                 self.reuse.record(chosen.replica, keys[0], chosen.matched_tokens // block_size)
@@ -305,6 +311,9 @@ class Placer:
                     churn=churn[replica.id],
                     home_blocks=self._home(view.homes.get(replica.id)),
                     valued_blocks=self.reuse.valued(replica.id) if self.reuse else None,
+                    recent_inflight=(
+                        self.occupancy.observe(replica.id, inflight) if self.occupancy else 0.0
+                    ),
                 )
             )
         return states

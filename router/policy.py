@@ -21,7 +21,7 @@ whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
                    / (1 - kv_high_watermark)      # above the watermark only
     own_work   = uncached + offload_hit_cost * offload
     expected_ttft_ms = queue_ms + f + s * own_work
-    compute    = s * own_work * active                # the requests in flight beside it wait
+    compute    = s * own_work * max(active, share * recent_inflight)  # beside it wait
     share      = the part of the new blocks that evict reused ones (0 while room is left)
     split      = the deepest home claim on the prompt minus this replica's own claim
     evict      = (miss_weight - 1) * s * (1 + busy) * (own_work * share * churn + split * share)
@@ -136,6 +136,9 @@ class ReplicaState:
         (:class:`router.reuse.ReuseBook`): what new blocks would push out at a cost; the
         rest of ``resident_blocks`` is finished requests' own blocks, free to evict. None:
         unknown, every resident block counts.
+    :param recent_inflight: the routers' requests in flight on it over the last seconds
+        (:class:`router.occupancy.OccupancyBook`): the load a prefill there will meet even
+        when the requests of the moment have just finished.
     """
 
     id: str
@@ -153,6 +156,7 @@ class ReplicaState:
     home_blocks: float = 0.0
     routed_at_scrape: int | None = None
     valued_blocks: int | None = None
+    recent_inflight: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +271,13 @@ def _active(state: ReplicaState) -> int:
     return max(state.inflight, engine)
 
 
+def _busyness(state: ReplicaState) -> tuple[int, float]:
+    """How busy a tied candidate is: requests in flight now, then over the last seconds
+    (sequential traffic has none in flight at each decision: the replica that served last
+    looks busier, so new prefixes spread instead of piling on one engine at random)."""
+    return _active(state), round(state.recent_inflight, 3)
+
+
 def _queued_tokens(state: ReplicaState, config: PolicyConfig) -> float:
     """Prefill work ahead of a new request: every router's queue plus unseen waiting ones."""
     unseen = max(0, (state.engine_waiting or 0) - state.inflight) * config.unseen_request_tokens
@@ -318,7 +329,7 @@ def score_replica(
         claimed = min(state.home_blocks * size, prompt_tokens)
         split = max(0.0, min(fleet.home_tokens, prompt_tokens) - claimed)
         s = speed.prefill_ms_per_token
-        compute = s * own_work * active
+        compute = s * own_work * max(active, share * state.recent_inflight)
         weight = (config.miss_weight - 1.0) * s * (1.0 + fleet.busy)
         evict = weight * (own_work * regret + split * share)
         value = -(ttft + compute + evict)
@@ -418,9 +429,9 @@ def decide(
         epsilon = config.tie_epsilon_ms if config.mode == "ttft" else _LINEAR_TIE
         best = max(values)
         tied = [i for i, v in enumerate(values) if v >= best - epsilon]
-        if len(tied) > 1:  # the least busy of the tied, then at random
-            fewest = min(_active(candidates[i]) for i in tied)
-            tied = [i for i in tied if _active(candidates[i]) == fewest]
+        if len(tied) > 1:  # the least busy of the tied, now then lately, then at random
+            fewest = min(_busyness(candidates[i]) for i in tied)
+            tied = [i for i in tied if _busyness(candidates[i]) == fewest]
         index = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
     return Decision(scores[index].replica, scores, config.mode)
 

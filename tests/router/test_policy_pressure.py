@@ -115,6 +115,34 @@ def test_misses_cost_more_on_a_busy_fleet() -> None:
     assert gap(busy) > 4 * gap(light) > 0
 
 
+def test_an_engine_whose_requests_just_finished_is_no_cheap_place_for_a_copy() -> None:
+    """Home holds the prefix behind a long queue; another engine has nothing in flight and
+    a cache full of three prefixes its groups reuse. Idle for a while, it takes the copy.
+    Its requests just finished (four in flight over the last seconds): its groups keep
+    arriving, the copy's compute is charged at that load, and the group stays home.
+    Charged at the count of the moment, groups split over 2.5 engines in the 700-block
+    matrix cell (71.6 % hits, smg 77.2 %)."""
+    home = full(
+        "home", matched_blocks=PREFIX, matched_gpu_blocks=PREFIX, home_blocks=PREFIX,
+        inflight=4, recent_inflight=4.0, queued_prefill_tokens=20_000, valued_blocks=3 * PREFIX,
+    )  # fmt: skip
+    others = [full(f"other-{i}", inflight=4, recent_inflight=4.0) for i in range(2)]
+    cold = COLD_MS - DEFAULT_SPEED.floor_ms
+    for recent, winner in ((0.0, "spare"), (4.0, "home")):
+        spare = full("spare", valued_blocks=3 * PREFIX, recent_inflight=recent)
+        assert all(choose([home, spare, *others], seed) == winner for seed in range(20)), recent
+        share = eviction_share(spare, PROMPT / 16)
+        assert score_replica(PROMPT, spare, CONFIG).compute_ms == pytest.approx(
+            cold * share * recent
+        )
+    # an engine with room is not serving enough to fill it: the count of the moment prices
+    # its compute (under load, bursts at a KV-bound home overflow there; charged at its
+    # recent load, the 75 % load cell's TTFT p50 went from 56 to 108 ms)
+    roomy = full("spare", valued_blocks=2 * PREFIX, recent_inflight=4.0, inflight=1)
+    assert eviction_share(roomy, PROMPT / 16) == 0.0
+    assert score_replica(PROMPT, roomy, CONFIG).compute_ms == pytest.approx(cold)
+
+
 def test_kv_memory_a_request_will_hold_counts_before_the_engine_reports_it() -> None:
     state = ReplicaState("r", kv_usage=0.8, cache_blocks=1000)
     assert projected_kv_usage(state, 1600, 16) == pytest.approx(0.9)
@@ -147,6 +175,13 @@ def test_kv_memory_a_request_will_hold_counts_before_the_engine_reports_it() -> 
 def test_ties_go_to_the_least_busy() -> None:
     states = [ReplicaState("a", inflight=3), ReplicaState("b", inflight=1)]
     assert all(decide(100, states, CONFIG, random.Random(s)).replica == "b" for s in range(20))
+    # none in flight (sequential traffic): the one that served last is the busier; drawn at
+    # random, new prefixes piled three or four on one engine and split groups later
+    lately = [ReplicaState("a", recent_inflight=0.4), ReplicaState("b", recent_inflight=0.1)]
+    assert all(decide(100, lately, CONFIG, random.Random(s)).replica == "b" for s in range(20))
+    # now before lately
+    mixed = [ReplicaState("a", inflight=1), ReplicaState("b", recent_inflight=1.5)]
+    assert all(decide(16, mixed, CONFIG, random.Random(s)).replica == "b" for s in range(20))
 
 
 def test_a_copy_left_by_outside_traffic_does_not_pull_a_group_from_home() -> None:
