@@ -4,15 +4,18 @@ A prompt sent away from its cache is prefilled in full, and every request on tha
 waits for that compute (``compute`` in :mod:`router.policy`). Counting only the requests in
 flight at the moment of the decision makes an engine whose requests have just finished look
 free: under pressure the next request of a group busy at home went there, copied its prefix
-(evicting another group's), and the groups split over more engines (2.5 per group against
-2.0, 71.6 % engine hits against 76.2 % in the 700-block matrix cell). That engine does not
-stay idle — its own groups keep arriving — so the count that prices the compute is the
-larger of the requests in flight now and the mean over the last seconds.
+(evicting another group's), and the groups split over more engines (2.5 per group, 71.6 %
+engine hits in the 700-block matrix cell, against 2.3 and 76.8 % priced as below). Where
+that engine's cache is full of prefixes its groups reuse it does not stay idle — its groups
+keep arriving — so the policy prices the compute at the larger of the requests in flight
+now and the mean over the last seconds, scaled by the part of the copy that evicts them.
+The mean also breaks ties: with sequential traffic nothing is in flight at any decision,
+and the replica that served last is the busier.
 
-:class:`OccupancyBook` keeps that mean per replica: the routers' requests in flight (the
-shared load board, so every router sees the same), weighed by how long each count held,
-decaying with ``half_life_s``. It is soft state: a restarted router starts from the counts
-it sees.
+:class:`OccupancyBook` keeps that mean per replica: the routers' requests in flight at each
+decision (the shared load board, so every router sees the others' too) and the count with
+each request this router routes, weighed by how long each count held, decaying with
+``half_life_s``. It is soft state: a restarted router starts from the counts it sees.
 """
 
 from __future__ import annotations
