@@ -39,10 +39,14 @@ class _Server(uvicorn.Server):
         the drain until the graceful timeout. Asking again while the drain runs closes it.
         """
         drain = asyncio.ensure_future(super().shutdown(sockets))
-        while not drain.done():
-            await asyncio.wait([drain], timeout=0.05)
-            for connection in list(self.server_state.connections):
-                connection.shutdown()
+        try:
+            while not drain.done():
+                await asyncio.wait([drain], timeout=0.05)
+                for connection in list(self.server_state.connections):
+                    connection.shutdown()
+        except BaseException:
+            drain.cancel()  # stop() gave up waiting: the drain goes with us
+            raise
         drain.result()
         for connection in list(self.server_state.connections):
             connection.transport.close()  # past the graceful timeout: a stopped server serves none
