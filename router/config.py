@@ -123,8 +123,9 @@ class RouterSettings(LogSettings):
     recent_load_half_life_s: float = setting(
         1.0,
         "a replica's requests in flight over the last seconds (mean, halving its weight "
-        "this often) price a cold prefill there when more than its count now: an engine "
-        "whose requests just finished does not stay idle (0: the count now)",
+        "this often), scaled by the part of a cold prefill that evicts reused prefixes, "
+        "price that prefill there when more than its count now, and order ties between "
+        "new prompts: an engine whose requests just finished does not stay idle (0: off)",
     )
     connect_timeout_s: float = setting(1.0, "upstream connect timeout")
     first_byte_timeout_s: float = setting(
