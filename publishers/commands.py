@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from tracker.cli import Command
-from tracker.config import LogSettings
+from tracker.config import ServiceSettings
 from tracker.errors import ConfigError
 from tracker.events import WireEra
 from tracker.settings import setting
@@ -46,7 +46,7 @@ def _check_id(value: str, what: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReplicaSettings(LogSettings):
+class ReplicaSettings(ServiceSettings):
     """``kvrouter replica``: simulated vLLM engines with their OpenAI server and KV events."""
 
     PART = "REPLICA"
@@ -141,7 +141,7 @@ class ReplicaSettings(LogSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AttachSettings(LogSettings):
+class AttachSettings(ServiceSettings):
     """``kvrouter attach``: register a real vLLM server in the registry while it is healthy.
 
     The same fields, read from ``KVROUTER_ATTACH_*``, configure the vLLM general plugin.

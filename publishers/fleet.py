@@ -28,6 +28,7 @@ from publishers.zmq import ZmqEventPublisher, binds
 from tracker.errors import ConfigError
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, ReplicaRecord
+from tracker.lifecycle import run_on_loop
 from tracker.tokens import Tokenizer, load_chat_template
 
 logger = logging.getLogger(__name__)
@@ -215,5 +216,5 @@ def run(settings: ReplicaSettings) -> int:
         finally:
             await service.stop()
 
-    asyncio.run(main())
+    run_on_loop(main(), settings.loop)
     return 0

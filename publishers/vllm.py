@@ -30,6 +30,7 @@ from publishers.registration import HealthCheck, RegistrationService
 from publishers.zmq import endpoint_for_rank
 from tracker.errors import ConfigError
 from tracker.index import BlockIndex, ReplicaRecord
+from tracker.lifecycle import run_on_loop
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ def run(settings: AttachSettings) -> int:
             loop.add_signal_handler(sig, stop.set)
         await attach(settings, stop)
 
-    asyncio.run(main())
+    run_on_loop(main(), settings.loop)
     return 0
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from router.policy import PolicyConfig
-from tracker.config import LogSettings
+from tracker.config import ServiceSettings
 from tracker.errors import ConfigError
 from tracker.replicas import ReplicaSpec
 from tracker.settings import setting
@@ -35,7 +35,7 @@ def model_paths(entries: tuple[str, ...], what: str) -> tuple[str | None, dict[s
 
 
 @dataclass(frozen=True, kw_only=True)
-class RouterSettings(LogSettings):
+class RouterSettings(ServiceSettings):
     """``kvrouter router``: the KV-cache-aware OpenAI-compatible proxy."""
 
     PART = "ROUTER"

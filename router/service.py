@@ -24,7 +24,7 @@ from router.placement import TokenizerBook
 from tracker.config import TrackerSettings
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex
-from tracker.lifecycle import run_until_signalled
+from tracker.lifecycle import run_on_loop, run_until_signalled
 from tracker.service import TrackerService
 
 logger = logging.getLogger(__name__)
@@ -180,4 +180,4 @@ def run(settings: RouterSettings) -> int:
     """Entry point of ``kvrouter router``: returns the process exit status."""
     # one line per health check and scrape would drown the router's own log
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    return asyncio.run(serve(settings))
+    return run_on_loop(serve(settings), settings.loop)

@@ -1,24 +1,30 @@
-"""Calls to replicas over one httpx client: open a request, read its body under timeouts, probe.
+"""Calls to replicas over aiohttp: open a request, read its body under timeouts, probe.
 
-httpx's own read timeout is off: a non-streamed completion sends its headers only when the
-whole answer is ready, so the router bounds "until the answer starts" and "between two
-chunks" itself. Every transport failure becomes an :class:`~router.errors.UpstreamError`
-(or :class:`~router.errors.UpstreamTimeoutError`) whose ``__cause__`` keeps the httpx error;
+The router bounds "until the answer starts" and "between two chunks" itself (a non-streamed
+completion sends its headers only when the whole answer is ready, so no socket read timeout
+fits both). Every transport failure becomes an :class:`~router.errors.UpstreamError` (or
+:class:`~router.errors.UpstreamTimeoutError`) whose ``__cause__`` keeps aiohttp's error;
 :func:`failure_kind` tells the proxy whether a retry elsewhere is safe.
+
+aiohttp, not httpx: on this project's proxy benchmark a request through httpx cost the router
+~6-8 ms of CPU (httpcore's pool scans every connection, through anyio's socket attributes,
+each time a request starts or ends), through aiohttp ~0.45 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Mapping
 from typing import Final, Literal
 
-import httpx
+import aiohttp
 
 from router.errors import UpstreamError, UpstreamTimeoutError
 
 FailureKind = Literal["connect", "transport", "timeout", "pool"]
+# below the engines' own idle timeout (uvicorn's and vLLM's 5 s): a connection the engine
+# closes just as the router reuses it would fail the request
+KEEPALIVE_EXPIRY_S: Final = 4.0
 # hop-by-hop headers, what the body's re-framing changes, and what uvicorn sets itself
 _DROPPED: Final = frozenset(
     {
@@ -38,43 +44,56 @@ _DROPPED: Final = frozenset(
 )
 
 
+class PoolTimeoutError(TimeoutError):
+    """Every connection to the replica stayed busy past the pool timeout."""
+
+
 def failure_kind(exc: UpstreamError) -> FailureKind:
     """What went wrong: ``connect`` and ``transport`` (no answer at all) may be retried."""
     if isinstance(exc, UpstreamTimeoutError):
         return "timeout"
     cause = exc.__cause__
-    if isinstance(cause, httpx.PoolTimeout):
+    if isinstance(cause, PoolTimeoutError):
         return "pool"
-    if isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout):
+    if isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
         return "connect"
     return "transport"
 
 
-def _mapped(exc: httpx.TransportError, replica: str, what: str) -> UpstreamError:
+def _mapped(exc: BaseException, replica: str, what: str) -> UpstreamError:
     detail = str(exc) or type(exc).__name__
     return UpstreamError(f"replica {replica} {what}: {detail}", replica=replica)
 
 
-def passthrough_headers(headers: httpx.Headers) -> dict[str, str]:
-    """The upstream's response headers a client should see (hop-by-hop ones removed)."""
-    return {k: v for k, v in headers.items() if k.lower() not in _DROPPED}
+def passthrough_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The upstream's response headers a client should see (hop-by-hop ones removed), with
+    lower-case names (HTTP/2's form, and what the router's own headers use)."""
+    return {name: v for k, v in headers.items() if (name := k.lower()) not in _DROPPED}
+
+
+class _Pool:
+    """One replica's aiohttp session and the requests open through it."""
+
+    __slots__ = ("inflight", "session", "url")
+
+    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+        self.url = url
+        self.session = session
+        self.inflight = 0
 
 
 class UpstreamResponse:
     """A replica's answer whose status and headers arrived; the body is read chunk by chunk."""
 
     def __init__(
-        self,
-        replica: str,
-        response: httpx.Response,
-        on_close: Callable[[], None] | None = None,
+        self, replica: str, response: aiohttp.ClientResponse, release: _Release | None = None
     ) -> None:
         self.replica = replica
-        self.status = response.status_code
-        self.headers = response.headers
+        self.status = response.status
+        self.headers: Mapping[str, str] = response.headers
         self._response = response
-        self._chunks: AsyncIterator[bytes] = response.aiter_bytes()
-        self._on_close = on_close
+        self._release = release
+        self._done = False
 
     async def next_chunk(self, timeout_s: float) -> bytes:
         """The next piece of the body as it arrived; ``b""`` at its end.
@@ -84,13 +103,16 @@ class UpstreamResponse:
         """
         try:
             async with asyncio.timeout(timeout_s):
-                return await anext(self._chunks, b"")
+                chunk = await self._response.content.readany()
+        except aiohttp.ClientError as exc:
+            raise _mapped(exc, self.replica, "broke the stream") from exc
         except TimeoutError:
             raise UpstreamTimeoutError(
                 f"replica {self.replica} sent nothing for {timeout_s:g}s", replica=self.replica
             ) from None
-        except httpx.TransportError as exc:
-            raise _mapped(exc, self.replica, "broke the stream") from exc
+        if not chunk:
+            self._done = True
+        return chunk
 
     async def read(self, timeout_s: float, limit: int = 1 << 30) -> bytes:
         """The rest of the body (each chunk within ``timeout_s``), at most ``limit`` bytes."""
@@ -106,37 +128,41 @@ class UpstreamResponse:
         return b"".join(parts)
 
     async def aclose(self) -> None:
-        """Close the response; mid-body this drops the connection, so the engine aborts."""
+        """Close the response: a finished body gives its connection back to the pool;
+        mid-body this drops the connection, so the engine aborts the request."""
         try:
-            with contextlib.suppress(httpx.TransportError):
-                await self._response.aclose()
+            if self._done:
+                self._response.release()
+            else:
+                self._response.close()
         finally:
-            on_close, self._on_close = self._on_close, None
-            if on_close is not None:
-                on_close()
+            release, self._release = self._release, None
+            if release is not None:
+                release()
 
 
-class _Pool:
-    """One replica's httpx client and the requests open through it."""
+class _Release:
+    """Gives a request's slot back to its pool, once."""
 
-    __slots__ = ("client", "inflight", "url")
+    __slots__ = ("client", "pool")
 
-    def __init__(self, url: str, client: httpx.AsyncClient) -> None:
-        self.url = url
+    def __init__(self, client: UpstreamClient, pool: _Pool) -> None:
         self.client = client
-        self.inflight = 0
+        self.pool = pool
+
+    def __call__(self) -> None:
+        self.client._release(self.pool)
 
 
 class UpstreamClient:
-    """A pooled httpx client per replica, sized for many concurrent streams.
+    """A pooled aiohttp session per replica, sized for many concurrent streams.
 
-    One pool per replica, not one for the fleet: httpcore scans every connection of a pool
-    each time a request starts or ends: with 640 streams open, one more request through a
-    shared pool cost 2.8 ms instead of 0.8 ms, and in ``kvrouter bench``'s oracle pass (9
-    requests per prompt) the scan was a third of the router's CPU. Per replica it scans
-    that replica's connections only.
+    One pool per replica, not one for the fleet: a replica that stops answering fills its
+    own pool, not the others' (its requests wait or time out while the rest flow), and a
+    replica that leaves the fleet takes its connections with it (:meth:`retire`).
 
-    :param connect_timeout_s: TCP connect (and pool wait, and request upload) timeout.
+    :param connect_timeout_s: TCP connect timeout (waiting for a free connection of the pool
+        may take up to ``max(10, connect_timeout_s)``).
     :param max_connections: connections to each replica.
     :param api_key: bearer key sent to every replica (vLLM's ``--api-key``), if any.
     """
@@ -145,17 +171,9 @@ class UpstreamClient:
         self, *, connect_timeout_s: float, max_connections: int, api_key: str | None = None
     ) -> None:
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = httpx.Timeout(
-            connect=connect_timeout_s,
-            read=None,
-            write=max(10.0, connect_timeout_s),
-            pool=max(10.0, connect_timeout_s),
-        )
-        self._limits = httpx.Limits(
-            max_connections=max_connections,
-            max_keepalive_connections=max(64, max_connections // 4),
-            keepalive_expiry=30.0,
-        )
+        self._connect_timeout_s = connect_timeout_s
+        self._pool_timeout_s = max(10.0, connect_timeout_s)
+        self._max_connections = max_connections
         self._pools: dict[str, _Pool] = {}
         self._retired: set[_Pool] = set()
         self._closing: set[asyncio.Task[None]] = set()
@@ -166,14 +184,21 @@ class UpstreamClient:
             return pool
         if pool is not None:  # the replica moved: retire the old pool
             self.retire(replica)
-        client = httpx.AsyncClient(
-            timeout=self._timeout,
-            limits=self._limits,
+        connector = aiohttp.TCPConnector(
+            limit=self._max_connections,
+            limit_per_host=0,
+            keepalive_timeout=KEEPALIVE_EXPIRY_S,
+        )
+        session = aiohttp.ClientSession(
+            connector=connector,
             headers=self._headers,
-            follow_redirects=False,
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=self._pool_timeout_s, sock_connect=self._connect_timeout_s
+            ),
+            cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,
         )
-        pool = self._pools[replica] = _Pool(url, client)
+        pool = self._pools[replica] = _Pool(url, session)
         return pool
 
     def retire(self, replica: str) -> None:
@@ -187,9 +212,16 @@ class UpstreamClient:
         pool.inflight -= done
         if pool in self._retired and pool.inflight == 0:
             self._retired.discard(pool)
-            task = asyncio.get_running_loop().create_task(pool.client.aclose())
+            task = asyncio.get_running_loop().create_task(pool.session.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+
+    def _cause(self, exc: aiohttp.ClientError, queued: bool) -> BaseException:
+        """What failed: aiohttp's error, or the pool's for a connect timeout of a request
+        that had to wait for a busy pool."""
+        if queued and isinstance(exc, aiohttp.ConnectionTimeoutError):
+            return PoolTimeoutError(f"no free connection within {self._pool_timeout_s:g}s")
+        return exc
 
     async def open(
         self,
@@ -206,45 +238,48 @@ class UpstreamClient:
         Cancelling the caller closes the request, which the replica sees as a disconnect.
         """
         pool = self._pool(replica, url)
-        request = pool.client.build_request(
-            "POST", url.rstrip("/") + path, content=content, headers=headers
-        )
+        queued = pool.inflight >= self._max_connections
         pool.inflight += 1
         try:
             async with asyncio.timeout(timeout_s):
-                response = await pool.client.send(request, stream=True)
+                response = await pool.session.post(
+                    url.rstrip("/") + path, data=content, headers=headers, allow_redirects=False
+                )
+        except aiohttp.ClientError as exc:  # first: aiohttp's connect timeouts are TimeoutErrors
+            self._release(pool)
+            cause = self._cause(exc, queued)
+            raise _mapped(cause, replica, "failed") from cause
         except TimeoutError:
             self._release(pool)
             raise UpstreamTimeoutError(
                 f"replica {replica} did not answer within {timeout_s:g}s", replica=replica
             ) from None
-        except httpx.TransportError as exc:
-            self._release(pool)
-            raise _mapped(exc, replica, "failed") from exc
         except BaseException:
             self._release(pool)
             raise
-        return UpstreamResponse(replica, response, on_close=lambda: self._release(pool))
+        return UpstreamResponse(replica, response, _Release(self, pool))
 
     async def get(self, replica: str, url: str, path: str, *, timeout_s: float) -> tuple[int, str]:
         """``(status, body text)`` of a GET, for health checks and engine metrics."""
         pool = self._pool(replica, url)
+        queued = pool.inflight >= self._max_connections
         pool.inflight += 1
         try:
             async with asyncio.timeout(timeout_s):
-                response = await pool.client.get(url.rstrip("/") + path)
+                async with pool.session.get(url.rstrip("/") + path) as response:
+                    return response.status, await response.text(errors="replace")
+        except aiohttp.ClientError as exc:
+            cause = self._cause(exc, queued)
+            raise _mapped(cause, replica, f"failed {path}") from cause
         except TimeoutError:
             raise UpstreamTimeoutError(
                 f"replica {replica} did not answer {path} within {timeout_s:g}s", replica=replica
             ) from None
-        except httpx.TransportError as exc:
-            raise _mapped(exc, replica, f"failed {path}") from exc
         finally:
             self._release(pool)
-        return response.status_code, response.text
 
     async def aclose(self) -> None:
         pools = [*self._pools.values(), *self._retired]
         self._pools.clear()
         self._retired.clear()
-        await asyncio.gather(*(p.client.aclose() for p in pools), *self._closing)
+        await asyncio.gather(*(p.session.close() for p in pools), *self._closing)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tracker.lifecycle import LOOPS
 from tracker.replicas import ReplicaSpec
 from tracker.settings import Settings, setting
 
@@ -17,7 +18,18 @@ class LogSettings(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrackerSettings(LogSettings):
+class ServiceSettings(LogSettings):
+    """Options of every long-running process (tracker, router, replicas)."""
+
+    loop: str = setting(
+        "auto",
+        "event loop: auto (uvloop when installed, as uvicorn picks), uvloop or asyncio",
+        choices=LOOPS,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackerSettings(ServiceSettings):
     """``kvrouter tracker``: consume KV events and maintain the block index."""
 
     PART = "TRACKER"

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Final, Protocol, TypeVar
+
+from tracker.errors import ConfigError
+
+T = TypeVar("T")
+LOOPS: Final = ("auto", "uvloop", "asyncio")
 
 
 class Service(Protocol):
@@ -29,3 +35,29 @@ async def run_until_signalled(service: Service) -> int:
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+def loop_factory(loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop a process runs on: uvloop for ``uvloop`` (and for ``auto`` when it is
+    installed, as uvicorn chooses), asyncio's own for ``asyncio``; None means asyncio's.
+
+    :raises ConfigError: for an unknown name, or ``uvloop`` when it is not installed.
+    """
+    if loop not in LOOPS:
+        raise ConfigError(f"loop: must be one of {', '.join(LOOPS)}, got {loop!r}")
+    if loop == "asyncio":
+        return None
+    try:
+        import uvloop  # noqa: PLC0415 - optional, like uvicorn's
+    except ImportError:
+        if loop == "uvloop":
+            raise ConfigError("loop: uvloop asked for, but it is not installed") from None
+        return None
+    return uvloop.new_event_loop
+
+
+def run_on_loop(main: Coroutine[Any, Any, T], loop: str = "auto") -> T:
+    """``asyncio.run(main)`` on the loop :func:`loop_factory` picks."""
+    factory = loop_factory(loop)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)

@@ -26,7 +26,7 @@ from tracker.config import TrackerSettings
 from tracker.errors import ConfigError, IndexUnavailableError
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex, ReplicaRecord
-from tracker.lifecycle import run_until_signalled
+from tracker.lifecycle import run_on_loop, run_until_signalled
 from tracker.metrics import TrackerMetrics
 from tracker.streams import ReplicaTarget
 from tracker.subscriber import Subscriber
@@ -346,4 +346,4 @@ async def serve(settings: TrackerSettings) -> int:
 
 def run(settings: TrackerSettings) -> int:
     """Entry point of ``kvrouter tracker``: returns the process exit status."""
-    return asyncio.run(serve(settings))
+    return run_on_loop(serve(settings), settings.loop)

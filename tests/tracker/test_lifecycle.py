@@ -1,0 +1,31 @@
+"""Which event loop a process runs on (``--loop``)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+
+from tracker.errors import ConfigError
+from tracker.lifecycle import loop_factory, run_on_loop
+
+
+async def _loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__
+
+
+def test_asyncio_runs_on_asyncios_own_loop() -> None:
+    assert loop_factory("asyncio") is None
+    assert run_on_loop(_loop_module(), "asyncio").startswith("asyncio")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="uvloop not installed")
+def test_auto_and_uvloop_run_on_uvloop_when_installed() -> None:
+    for name in ("auto", "uvloop"):
+        assert run_on_loop(_loop_module(), name).startswith("uvloop")
+
+
+def test_an_unknown_loop_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="loop: must be one of auto, uvloop, asyncio"):
+        loop_factory("trio")
