@@ -2,7 +2,7 @@
 
 Starts the stack as local processes (:class:`bench.stack.LocalStack`: redis-server, two
 simulated engines in one ``kvrouter replica`` process, the tracker and one ``kvrouter
-router --redis``), then drives it from this process with an asyncio httpx client: a closed
+router --redis``), then drives it from this process with an asyncio aiohttp client: a closed
 loop of non-streaming requests at a fixed concurrency (requests/s), and streams whose
 chunks are timestamped on arrival (time to first chunk, gaps between chunks). Each
 measurement runs directly against the engines (round-robin) and through the router, with
@@ -27,7 +27,7 @@ from itertools import count, pairwise
 from pathlib import Path
 from typing import Any, Final
 
-import httpx
+import aiohttp
 
 from bench.stack import LocalStack, StackConfig
 
@@ -134,7 +134,7 @@ class Target:
 
 
 async def closed_loop(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     target: Target,
     bodies: list[dict[str, Any]],
     settings: ProxySettings,
@@ -152,8 +152,9 @@ async def closed_loop(
             if time.monotonic() > deadline:
                 return
             start = time.perf_counter()
-            response = await client.post(target.url(), json=body)
-            if response.status_code == 200:
+            async with client.post(target.url(), json=body) as response:
+                await response.read()
+            if response.status == 200:
                 latencies.append(time.perf_counter() - start)
             else:
                 errors += 1
@@ -174,21 +175,22 @@ async def closed_loop(
 
 
 async def one_stream(
-    client: httpx.AsyncClient, target: Target, body: dict[str, Any]
+    client: aiohttp.ClientSession, target: Target, body: dict[str, Any]
 ) -> list[float]:
     """Arrival times of a stream's chunks, from the request's start (seconds)."""
     start = time.perf_counter()
     times: list[float] = []
-    async with client.stream("POST", target.url(), json=body) as response:
+    async with client.post(target.url(), json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+        async for raw in response.content:  # line by line
+            line = raw.rstrip(b"\r\n")
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
                 times.append(time.perf_counter() - start)
     return times
 
 
 async def streams(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     target: Target,
     bodies: list[dict[str, Any]],
     concurrency: int,
@@ -231,9 +233,11 @@ def decision_mean_ms(metrics: str) -> float | None:
 async def drive(stack: LocalStack, settings: ProxySettings) -> dict[str, Any]:
     router, direct = Target("router", stack.router_urls), Target("direct", stack.replica_urls)
     bodies = Bodies(settings.groups)
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    # idle connections close before the servers' 5 s keep-alive timeout closes them under us
+    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=4.0)
     out: dict[str, Any] = {"router": {}, "direct": {}}
-    async with httpx.AsyncClient(limits=limits, timeout=60.0) as client:
+    timeout = aiohttp.ClientTimeout(total=60.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         for target in (direct, router):  # warm connections, caches and the tracker's index
             warm = [bodies.make(settings.max_tokens) for _ in range(4 * settings.concurrency)]
             await closed_loop(client, target, warm, settings, stack)
@@ -255,7 +259,8 @@ async def drive(stack: LocalStack, settings: ProxySettings) -> dict[str, Any]:
         for name, results in rounds.items():
             out[name]["throughput"] = max(results, key=lambda r: r["rps"])
             out[name]["throughput_rounds"] = results
-        metrics = (await client.get(stack.router_urls[0] + "/metrics")).text
+        async with client.get(stack.router_urls[0] + "/metrics") as response:
+            metrics = await response.text()
     out["router_decision_mean_ms"] = decision_mean_ms(metrics)
     return out
 
