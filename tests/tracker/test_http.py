@@ -113,6 +113,13 @@ async def _answered(connection: Connection) -> bool:
         writer.close()
 
 
+# CPython 3.11's asyncio drops (unclosed, to the garbage collector) a socket it accepted in
+# the loop iteration that closed its server: the transport's ``server._attach()`` asserts the
+# server is open, and ``_accept_connection2`` closes only transports it made. Connections that
+# keep arriving while servers stop hit that now and then; the client sees a closed connection.
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
+)
 async def test_no_connection_outlives_stop_not_even_one_accepted_as_it_began() -> None:
     # uvicorn asks the connections it knows to close once; one that the loop had accepted
     # but not handed to its protocol yet joined after that and went on serving the stopped
