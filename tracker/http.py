@@ -21,6 +21,7 @@ from starlette.types import ASGIApp
 from tracker.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+_LATE_SWEEPS = 3
 
 
 class _Server(uvicorn.Server):
@@ -48,8 +49,12 @@ class _Server(uvicorn.Server):
             drain.cancel()  # stop() gave up waiting: the drain goes with us
             raise
         drain.result()
-        for connection in list(self.server_state.connections):
-            connection.transport.close()  # past the graceful timeout: a stopped server serves none
+        # Past the graceful timeout a stopped server serves none. Accepts already under way
+        # when listening stopped hand their connections over a few loop iterations later.
+        for _ in range(_LATE_SWEEPS):
+            for connection in list(self.server_state.connections):
+                connection.transport.close()
+            await asyncio.sleep(0.01)
 
 
 def bind(host: str, port: int, *, backlog: int = 2048) -> socket.socket:
