@@ -24,7 +24,7 @@ from router.placement import TokenizerBook
 from tracker.config import TrackerSettings
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex
-from tracker.lifecycle import run_on_loop, run_until_signalled
+from tracker.lifecycle import run_on_loop, run_until_signalled, running_loop_name
 from tracker.service import TrackerService
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class RouterService:
                 "port": self.port,
                 "router_id": self.router_id,
                 "embedded_tracker": self.tracker is not None,
+                "loop": running_loop_name(),
             },
         )
 

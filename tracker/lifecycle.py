@@ -56,6 +56,11 @@ def loop_factory(loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+def running_loop_name() -> str:
+    """``"uvloop"`` or ``"asyncio"``: which loop runs this process (for its start-up log)."""
+    return type(asyncio.get_running_loop()).__module__.partition(".")[0]
+
+
 def run_on_loop(main: Coroutine[Any, Any, T], loop: str = "auto") -> T:
     """``asyncio.run(main)`` on the loop :func:`loop_factory` picks."""
     factory = loop_factory(loop)

@@ -26,7 +26,7 @@ from tracker.config import TrackerSettings
 from tracker.errors import ConfigError, IndexUnavailableError
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex, ReplicaRecord
-from tracker.lifecycle import run_on_loop, run_until_signalled
+from tracker.lifecycle import run_on_loop, run_until_signalled, running_loop_name
 from tracker.metrics import TrackerMetrics
 from tracker.streams import ReplicaTarget
 from tracker.subscriber import Subscriber
@@ -101,6 +101,7 @@ class TrackerService:
                 "bind": self.subscriber.bound_endpoint,
                 "index": type(self.index).__name__,
                 "http_port": self.http_port,
+                "loop": running_loop_name(),
             },
         )
 

@@ -8,10 +8,11 @@ import importlib.util
 import pytest
 
 from tracker.errors import ConfigError
-from tracker.lifecycle import loop_factory, run_on_loop
+from tracker.lifecycle import loop_factory, run_on_loop, running_loop_name
 
 
 async def _loop_module() -> str:
+    assert running_loop_name() == type(asyncio.get_running_loop()).__module__.split(".")[0]
     return type(asyncio.get_running_loop()).__module__
 
 
