@@ -63,6 +63,10 @@ def running_loop_name() -> str:
 
 def run_on_loop(main: Coroutine[Any, Any, T], loop: str = "auto") -> T:
     """``asyncio.run(main)`` on the loop :func:`loop_factory` picks."""
-    factory = loop_factory(loop)
+    try:
+        factory = loop_factory(loop)
+    except ConfigError:
+        main.close()  # never to be awaited
+        raise
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

@@ -27,6 +27,9 @@ def test_auto_and_uvloop_run_on_uvloop_when_installed() -> None:
         assert run_on_loop(_loop_module(), name).startswith("uvloop")
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_an_unknown_loop_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="loop: must be one of auto, uvloop, asyncio"):
         loop_factory("trio")
+    with pytest.raises(ConfigError, match="loop: must be one of"):
+        run_on_loop(_loop_module(), "trio")  # and the coroutine is closed, not left unawaited
