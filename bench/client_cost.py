@@ -25,6 +25,7 @@ import aiohttp
 import httpx
 
 from bench.stack import port_block
+from router.upstream import KEEPALIVE_EXPIRY_S
 
 PATH = "/v1/chat/completions"
 BODY = json.dumps(
@@ -51,7 +52,7 @@ async def _closed_loop(
 
 
 async def _httpx(url: str, requests: int, concurrency: int) -> None:
-    limits = httpx.Limits(max_connections=256, keepalive_expiry=4.0)
+    limits = httpx.Limits(max_connections=256, keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(limits=limits, timeout=30.0, trust_env=False) as client:
 
         async def send() -> None:
@@ -62,7 +63,7 @@ async def _httpx(url: str, requests: int, concurrency: int) -> None:
 
 
 async def _aiohttp(url: str, requests: int, concurrency: int) -> None:
-    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=4.0)
+    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=KEEPALIVE_EXPIRY_S)
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def send() -> None:

@@ -27,6 +27,7 @@ import aiohttp
 import msgspec
 
 from bench.workloads import Conversation, Workload, messages
+from router.upstream import KEEPALIVE_EXPIRY_S
 
 REPLICA_HEADER: Final = "x-kvrouter-replica"
 ENGINE_HEADER: Final = "x-kvrouter-engine"
@@ -125,7 +126,7 @@ class LoadGenerator:
     async def run(self, workload: Workload) -> list[Result]:
         # aiohttp: a tenth of httpx's CPU per request, which shares the cores with the stack.
         # Idle connections close before the servers' 5 s keep-alive timeout closes them.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=self.timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             self._started = time.monotonic()

@@ -30,6 +30,7 @@ from typing import Any, Final
 import aiohttp
 
 from bench.stack import LocalStack, StackConfig
+from router.upstream import KEEPALIVE_EXPIRY_S
 
 MODEL: Final = "default"
 PATH: Final = "/v1/chat/completions"
@@ -234,7 +235,7 @@ async def drive(stack: LocalStack, settings: ProxySettings) -> dict[str, Any]:
     router, direct = Target("router", stack.router_urls), Target("direct", stack.replica_urls)
     bodies = Bodies(settings.groups)
     # idle connections close before the servers' 5 s keep-alive timeout closes them under us
-    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=4.0)
+    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=KEEPALIVE_EXPIRY_S)
     out: dict[str, Any] = {"router": {}, "direct": {}}
     timeout = aiohttp.ClientTimeout(total=60.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:

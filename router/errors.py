@@ -1,7 +1,7 @@
 """The router's exception tree; each error knows its HTTP status and OpenAI error shape.
 
 The app turns any :class:`RouterError` into an OpenAI-shaped JSON body in one handler
-(:func:`openai_error_body`, :func:`status_of`); lower-layer errors (httpx, Redis, tokenizer)
+(:func:`openai_error_body`, :func:`status_of`); lower-layer errors (aiohttp, Redis, tokenizer)
 are translated at the boundary that meets them (``raise UpstreamError(...) from exc``).
 """
 

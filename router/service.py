@@ -179,6 +179,4 @@ async def serve(settings: RouterSettings) -> int:
 
 def run(settings: RouterSettings) -> int:
     """Entry point of ``kvrouter router``: returns the process exit status."""
-    # one line per health check and scrape would drown the router's own log
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     return run_on_loop(serve(settings), settings.loop)

@@ -14,7 +14,8 @@ each time a request starts or ends), through aiohttp ~0.45 ms (docs/benchmarks.m
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Final, Literal
 
 import aiohttp
@@ -86,7 +87,10 @@ class UpstreamResponse:
     """A replica's answer whose status and headers arrived; the body is read chunk by chunk."""
 
     def __init__(
-        self, replica: str, response: aiohttp.ClientResponse, release: _Release | None = None
+        self,
+        replica: str,
+        response: aiohttp.ClientResponse,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.replica = replica
         self.status = response.status
@@ -139,19 +143,6 @@ class UpstreamResponse:
             release, self._release = self._release, None
             if release is not None:
                 release()
-
-
-class _Release:
-    """Gives a request's slot back to its pool, once."""
-
-    __slots__ = ("client", "pool")
-
-    def __init__(self, client: UpstreamClient, pool: _Pool) -> None:
-        self.client = client
-        self.pool = pool
-
-    def __call__(self) -> None:
-        self.client._release(self.pool)
 
 
 class UpstreamClient:
@@ -216,6 +207,14 @@ class UpstreamClient:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
+    def _acquire(self, replica: str, url: str) -> tuple[_Pool, bool]:
+        """The replica's pool with one more request counted, and whether that request has to
+        wait for a connection (every one is busy)."""
+        pool = self._pool(replica, url)
+        queued = pool.inflight >= self._max_connections
+        pool.inflight += 1
+        return pool, queued
+
     def _cause(self, exc: aiohttp.ClientError, queued: bool) -> BaseException:
         """What failed: aiohttp's error, or the pool's for a connect timeout of a request
         that had to wait for a busy pool."""
@@ -237,9 +236,7 @@ class UpstreamClient:
 
         Cancelling the caller closes the request, which the replica sees as a disconnect.
         """
-        pool = self._pool(replica, url)
-        queued = pool.inflight >= self._max_connections
-        pool.inflight += 1
+        pool, queued = self._acquire(replica, url)
         try:
             async with asyncio.timeout(timeout_s):
                 response = await pool.session.post(
@@ -257,13 +254,11 @@ class UpstreamClient:
         except BaseException:
             self._release(pool)
             raise
-        return UpstreamResponse(replica, response, _Release(self, pool))
+        return UpstreamResponse(replica, response, partial(self._release, pool))
 
     async def get(self, replica: str, url: str, path: str, *, timeout_s: float) -> tuple[int, str]:
         """``(status, body text)`` of a GET, for health checks and engine metrics."""
-        pool = self._pool(replica, url)
-        queued = pool.inflight >= self._max_connections
-        pool.inflight += 1
+        pool, queued = self._acquire(replica, url)
         try:
             async with asyncio.timeout(timeout_s):
                 async with pool.session.get(url.rstrip("/") + path) as response:

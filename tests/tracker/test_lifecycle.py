@@ -12,19 +12,24 @@ from tracker.lifecycle import loop_factory, run_on_loop, running_loop_name
 
 
 async def _loop_module() -> str:
-    assert running_loop_name() == type(asyncio.get_running_loop()).__module__.split(".")[0]
     return type(asyncio.get_running_loop()).__module__
+
+
+async def _loop_name() -> str:
+    return running_loop_name()
 
 
 def test_asyncio_runs_on_asyncios_own_loop() -> None:
     assert loop_factory("asyncio") is None
     assert run_on_loop(_loop_module(), "asyncio").startswith("asyncio")
+    assert run_on_loop(_loop_name(), "asyncio") == "asyncio"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="uvloop not installed")
 def test_auto_and_uvloop_run_on_uvloop_when_installed() -> None:
     for name in ("auto", "uvloop"):
         assert run_on_loop(_loop_module(), name).startswith("uvloop")
+        assert run_on_loop(_loop_name(), name) == "uvloop"
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")
