@@ -196,6 +196,7 @@ class LocalStack:
         # spare ports beside each router's, for what replaces it (a peer's metrics server)
         self.spare_ports = [p + cfg.routers for p in self.router_ports]
         self._procs: dict[str, _Proc] = {}
+        self._running = False
 
     # ------------------------------------------------------------------ addresses
 
@@ -390,8 +391,14 @@ class LocalStack:
 
         Assembled: each process is healthy, the tracker follows every engine's events and
         every router has every engine in rotation (with Redis, they find the engines in the
-        registry a moment after their own ``/health`` first answers 200).
+        registry a moment after their own ``/health`` first answers 200). A started stack is
+        not started again (``with LocalStack(config).start() as stack`` enters a started
+        one: a second start would orphan the first processes, which :meth:`stop` then
+        never reaches).
         """
+        if self._running:
+            return self
+        self._running = True
         try:
             self._plan()
             deadline = time.monotonic() + timeout_s
@@ -547,6 +554,7 @@ class LocalStack:
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM everything in reverse start order; SIGKILL what outlives ``timeout_s``."""
+        self._running = False
         codes: dict[str, int | None] = {}
         for proc in reversed(list(self._procs.values())):
             popen = proc.popen

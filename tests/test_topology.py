@@ -214,3 +214,17 @@ def test_two_routers_keep_each_group_home_under_eviction_pressure(stack_factory:
     for answers in served.values():  # and the groups share the engines evenly
         assert sum(a.replica == answers[0].replica for a in answers) >= rounds - 1, why
     assert len({a.replica for answers in served.values() for a in answers}) == 4, why
+
+
+def test_a_started_stack_entered_again_leaves_no_process_behind(tmp_path: Path) -> None:
+    """``with LocalStack(config).start() as stack`` enters a started stack: it must not start
+    a second set of processes, whose first set the exit would then leave running."""
+    config = StackConfig(
+        replicas=1, routers=1, redis=False, haproxy=False, time_scale=0.02, workdir=tmp_path
+    )
+    with LocalStack(config).start(timeout_s=30) as stack:
+        pids = [pid for name in stack.names() if (pid := stack.pid(name)) is not None]
+        assert len(pids) == 2  # one engine process, one router
+        assert httpx.get(f"{stack.entry_url}/health", timeout=5).status_code == 200
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists(), f"process {pid} outlived the stack"
