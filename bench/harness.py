@@ -39,6 +39,8 @@ from bench.loadgen import LoadGenerator, Result
 from bench.peers import PEERS, PeerArm, Worker, executable
 from bench.stack import LocalStack, StackConfig, StackError
 from bench.workloads import Workload
+from publishers.latency import LatencyProfile, load_profile
+from router.policy import SpeedEstimate
 
 POLICY_FLAGS: Final = {
     "round-robin": "round-robin",
@@ -55,6 +57,26 @@ POLICIES: Final = (*POLICY_FLAGS, *PEERS)
 BENCH_ROUTER_ARGS: Final = ("--lookup-timeout-ms", "100", "--connect-timeout-s", "10")
 _SETTLE_TIMEOUT_S: Final = 60.0
 _PREDICTIONS_EXPIRE_S: Final = 3.5  # a router's predictions outlive it (--predict-ttl-s 3)
+
+
+def lone_prefill_speed(
+    profile: LatencyProfile, max_num_batched_tokens: int, time_scale: float = 1.0
+) -> SpeedEstimate:
+    """The simulated prefill of a lone prompt on an idle engine (its chunks one step each),
+    as a line, times ``time_scale``: the slope between 1k and 8k tokens, the floor through a
+    hit's 64-token tail (the step floor)."""
+
+    def lone_ms(tokens: int) -> float:
+        done, total = 0, 0.0
+        while done < tokens:
+            chunk = min(max_num_batched_tokens, tokens - done)
+            total += profile.step_ms([(chunk, done)], [])
+            done += chunk
+        return total * time_scale
+
+    short, long = 1024, 8192
+    slope = (lone_ms(long) - lone_ms(short)) / (long - short)
+    return SpeedEstimate(max(0.0, lone_ms(64) - slope * 64), slope)
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,22 @@ class FleetConfig:
     restart_engine_at_s: float | None = None
     seed: int = 1
 
+    def prefill_seed_args(self) -> tuple[str, ...]:
+        """The routers' prefill-speed seed for these engines, as a deployment seeds its own
+        from calibration: a lone prompt's simulated prefill (chunked as the engines chunk
+        it) at 1k and 8k tokens, in the real milliseconds the engines take at this time
+        scale. The default seed is an H200's: 3x too fast for engines at time scale 3,
+        and the slope is learned only from the rare cold prefills (docs/architecture.md)."""
+        speed = lone_prefill_speed(
+            load_profile(self.profile), self.max_num_batched_tokens, self.time_scale
+        )
+        return (
+            "--prefill-floor-ms",
+            f"{speed.floor_ms:.3f}",
+            "--prefill-ms-per-token",
+            f"{speed.prefill_ms_per_token:.6f}",
+        )
+
     def stack(self) -> StackConfig:
         return StackConfig(
             replicas=self.replicas,
@@ -87,7 +125,7 @@ class FleetConfig:
             profile=self.profile,
             time_scale=self.time_scale,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            router_args=(*BENCH_ROUTER_ARGS, *self.router_args),
+            router_args=(*BENCH_ROUTER_ARGS, *self.prefill_seed_args(), *self.router_args),
             # vllm-router replays only from the 4-frame layout (kvrouter reads both)
             replica_args=("--replay-layout", "topic", *self.replica_args),
             workdir=self.workdir,

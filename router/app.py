@@ -79,7 +79,7 @@ class Router:
             unhealthy_after=settings.unhealthy_after,
             engine_stale_s=settings.metrics_stale_s,
         )
-        self.speeds = SpeedBook()
+        self.speeds = SpeedBook(settings.prefill_seed)
         self.shared = GuardedIndex(
             index,
             self.load,

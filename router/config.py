@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
-from router.policy import PolicyConfig
+from router.policy import DEFAULT_SPEED, PolicyConfig, SpeedEstimate
 from tracker.config import ServiceSettings
 from tracker.errors import ConfigError
 from tracker.replicas import ReplicaSpec
@@ -94,11 +94,26 @@ class RouterSettings(ServiceSettings):
     )
     temperature: float = setting(0.0, "softmax temperature in ms (0: best score, random ties)")
     tie_epsilon_ms: float = setting(1.0, "expected TTFTs this close are a tie")
+    tie_ratio: float = setting(
+        0.05,
+        "expected costs within this share of the best one are a tie too (the estimate's "
+        "error); ties go to the replica holding most of the prompt, then the least busy",
+    )
     miss_weight: float = setting(
         3.0,
         "ttft policy: a miss that evicts, or leaves a prefix's home, costs (weight - 1) "
         "times the prefill it causes again, times 1 + the fleet's mean requests in flight "
         "(1: no such cost)",
+    )
+    prefill_floor_ms: float = setting(
+        DEFAULT_SPEED.floor_ms,
+        "seed of the learned prefill speed: ms a prefill costs besides its tokens "
+        "(default: Llama-3.1-8B on one H200; seed other fleets from their own calibration)",
+    )
+    prefill_ms_per_token: float = setting(
+        DEFAULT_SPEED.prefill_ms_per_token,
+        "seed of the learned prefill speed: ms per uncached prompt token (the slope is "
+        "learned from the rare cold prefills: a seed far off stays off for long)",
     )
     lookup_timeout_ms: float = setting(10.0, "time budget of the index lookup and load snapshot")
     lookup_timeout_per_block_us: float = setting(
@@ -209,6 +224,7 @@ class RouterSettings(ServiceSettings):
         if not 0 < self.load_renew_s < self.lease_ttl_s:
             raise ConfigError("need 0 < load-renew-s < lease-ttl-s")
         self._check_baselines()
+        self._check_speed()
         if not 0 < self.mismatch_ratio <= 1:
             raise ConfigError("mismatch-ratio must be in (0, 1]")
         if self.router_id is not None and (not self.router_id or "\x00" in self.router_id):
@@ -217,6 +233,12 @@ class RouterSettings(ServiceSettings):
             self.policy_config(self.block_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    def _check_speed(self) -> None:
+        if not (self.prefill_ms_per_token > 0 and math.isfinite(self.prefill_ms_per_token)):
+            raise ConfigError("prefill-ms-per-token must be a positive number")
+        if not (self.prefill_floor_ms >= 0 and math.isfinite(self.prefill_floor_ms)):
+            raise ConfigError("prefill-floor-ms must be a finite number >= 0")
 
     def _check_baselines(self) -> None:
         if not 0 <= self.sglang_cache_threshold <= 1:
@@ -228,6 +250,11 @@ class RouterSettings(ServiceSettings):
     def replica_specs(self) -> list[ReplicaSpec]:
         return [ReplicaSpec.parse(spec) for spec in self.replica]
 
+    @property
+    def prefill_seed(self) -> SpeedEstimate:
+        """Where the learned prefill speed starts (:class:`router.estimator.SpeedBook`)."""
+        return SpeedEstimate(self.prefill_floor_ms, self.prefill_ms_per_token)
+
     def policy_config(self, block_size: int) -> PolicyConfig:
         """The policy parameters for a namespace of ``block_size``."""
         return PolicyConfig(
@@ -238,5 +265,6 @@ class RouterSettings(ServiceSettings):
             offload_hit_cost=self.offload_hit_cost,
             temperature=self.temperature,
             tie_epsilon_ms=self.tie_epsilon_ms,
+            tie_ratio=self.tie_ratio,
             miss_weight=self.miss_weight,
         )

@@ -24,7 +24,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Protocol
 
@@ -111,10 +111,17 @@ def new_router_id() -> str:
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """A replica's load: requests in flight, and prefill tokens not yet past first token."""
+    """A replica's load: requests in flight, and prefill tokens not yet past first token.
+
+    :param prefill_since: when the oldest of *this* router's requests there that have not
+        produced their first token was sent (``time.monotonic()``); None: none is pending.
+        The engine has been working through the queue at least since then, so that much
+        of ``queued_prefill_tokens`` is already done (:mod:`router.policy`, ``queue_ms``).
+    """
 
     inflight: int = 0
     queued_prefill_tokens: int = 0
+    prefill_since: float | None = field(default=None, compare=False)
 
 
 class Lease:
@@ -154,6 +161,7 @@ class Lease:
         """The request's prefill is done: stop counting its tokens (idempotent)."""
         if self._prefilling and not self._released:
             self._prefilling = False
+            self._board._prefilled(self)
             self._board._adjust(self.namespace, self.replica, 0, -self.prefill_tokens)
 
     def release(self) -> None:
@@ -161,6 +169,8 @@ class Lease:
         if self._released:
             return
         tokens = self.prefill_tokens if self._prefilling else 0
+        if self._prefilling:
+            self._board._prefilled(self)
         self._released = True
         self._prefilling = False
         self._board._adjust(self.namespace, self.replica, -1, -tokens)
@@ -201,6 +211,8 @@ class _Totals:
 
     def __init__(self) -> None:
         self._totals: dict[Namespace, dict[str, list[int]]] = {}
+        # per (partition, replica): the leases still prefilling, oldest first (dict order)
+        self._prefilling: dict[_Key, dict[Lease, float]] = {}
 
     def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
         """Count a request just sent to ``replica``; release the returned lease when done.
@@ -211,7 +223,22 @@ class _Totals:
             raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
         base = namespace.base()
         self._adjust(base, replica, 1, prefill_tokens)
-        return Lease(self, base, replica, prefill_tokens)
+        lease = Lease(self, base, replica, prefill_tokens)
+        self._prefilling.setdefault((base, replica), {})[lease] = lease.started
+        return lease
+
+    def _prefilled(self, lease: Lease) -> None:
+        key = (lease.namespace, lease.replica)
+        pending = self._prefilling.get(key)
+        if pending is not None:
+            pending.pop(lease, None)
+            if not pending:
+                del self._prefilling[key]
+
+    def _since(self, namespace: Namespace, replica: str) -> float | None:
+        """When this router's oldest request still prefilling on ``replica`` was sent."""
+        pending = self._prefilling.get((namespace, replica))
+        return next(iter(pending.values())) if pending else None
 
     def _adjust(self, namespace: Namespace, replica: str, inflight: int, tokens: int) -> None:
         per = self._totals.setdefault(namespace, {})
@@ -233,8 +260,9 @@ class _Totals:
 
     def local_snapshot(self, namespace: Namespace) -> dict[str, Load]:
         """This router's own load per replica; never fails."""
-        per = self._totals.get(namespace.base(), {})
-        return {replica: Load(n, q) for replica, (n, q) in per.items()}
+        base = namespace.base()
+        per = self._totals.get(base, {})
+        return {replica: Load(n, q, self._since(base, replica)) for replica, (n, q) in per.items()}
 
 
 class LocalLoadBoard(_Totals):
@@ -431,5 +459,6 @@ class RedisLoadBoard(_Totals):
             out[replica] = Load(
                 mine.inflight + int(reply[i + 1]),
                 mine.queued_prefill_tokens + int(reply[i + 2]),
+                mine.prefill_since,
             )
         return out

@@ -314,6 +314,11 @@ class Placer:
                     recent_inflight=(
                         self.occupancy.observe(replica.id, inflight) if self.occupancy else 0.0
                     ),
+                    prefill_elapsed_ms=(
+                        (now - load.prefill_since) * 1000
+                        if load is not None and load.prefill_since is not None
+                        else 0.0
+                    ),
                 )
             )
         return states

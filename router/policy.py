@@ -15,7 +15,8 @@ whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
     unseen     = max(0, engine_waiting - inflight)    # waiting requests no router sent
     usage      = projected KV usage: the engine's gauge (scaled by what is still in flight)
                  plus this request's uncached, offloaded and output blocks
-    queue_ms   = s * (queued_prefill_tokens + unseen * unseen_request_tokens)
+    queue_ms   = s * (max(0, queued_prefill_tokens - prefill_elapsed_ms / s)
+                      + unseen * unseen_request_tokens)
                  + decode_ms_per_request * active
                  + kv_full_penalty_ms * (min(usage, 1.5) - kv_high_watermark)
                    / (1 - kv_high_watermark)      # above the watermark only
@@ -29,7 +30,11 @@ whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
 
 ``queued_prefill_tokens`` is the uncached prompt work of requests every router has sent to
 the replica that have not produced their first token yet (:mod:`router.load`), so a queue and
-a cache miss are priced in the same unit: milliseconds of prefill. The engine's own
+a cache miss are priced in the same unit: milliseconds of prefill. What the engine has done of
+it is taken off: it has been prefilling at least since this router sent the oldest of its
+pending requests there (``prefill_elapsed_ms`` ago); counted in full, the second request of a
+new prefix, sent while the first still prefilled at home, looked cheaper as a cold copy on an
+idle engine. The engine's own
 ``/metrics`` (possibly stale, possibly absent) only add what the routers cannot know:
 requests from other clients, a full KV cache, the cache's size. ``busy`` is the candidates'
 mean ``active`` (:class:`Fleet`), ``churn`` how fast the replica's cache turns over relative
@@ -48,7 +53,10 @@ Defaults and where they come from:
   scheduling add their own. These are only seeds: :mod:`router.estimator` learns ``f`` and
   ``s`` per model from the TTFTs the router observes: within a few dozen requests when the
   seed has the right order of magnitude, a few hundred when it is 8x off (Llama-70B is
-  ~0.25 ms/token on one H200-equivalent; seed such fleets from configuration).
+  ~0.25 ms/token on one H200-equivalent; seed such fleets with ``--prefill-floor-ms`` and
+  ``--prefill-ms-per-token``). The slope is learned only from the rare cold prefills and
+  fades with the many hits: in the 1,024-block benchmark cell, seeded 3x too fast (engines at
+  time scale 3), the learned cold 5k-token prefill stayed at 333 ms against 480 measured.
 * ``offload_hit_cost = 0.3``: loading Llama-8B's 128 KiB/token of KV over a ~50 GB/s host
   link is ~0.003 ms/token (10 % of recomputing it); 0.3 leaves room for the offload
   connector's scheduling latency. Dynamo credits host-tier hits 0.75 (cost 0.25), llm-d 0.8.
@@ -64,8 +72,12 @@ Defaults and where they come from:
   miss it causes, roughly: the prefix it pushes out, and the group it splits), times
   ``1 + busy``. 2 moved groups on short queue spikes under KV pressure, 4 held them through
   real overload (docs/architecture.md). With room in the cache the term is 0.
-* ``tie_epsilon_ms = 1``: candidates within 1 ms of the best are a tie (below the
-  estimator's noise), given to the one with the fewest requests in flight, then at random.
+* ``tie_epsilon_ms = 1``, ``tie_ratio = 0.05``: candidates within 1 ms or 5 % of the best
+  cost are a tie (the estimate is a line through noisy TTFTs: a cold 5k-token prefill on
+  the benchmark's engines took 460-520 ms against one fitted value), given to the one that
+  holds most of the prompt, then the fewest requests in flight, then at random. A copy
+  that saves 4 % of one request's TTFT by the estimate costs cache the score cannot see
+  while the caches have room.
   ``temperature > 0`` instead samples with probability ``exp((score - best) / temperature)``
   (temperature in ms).
 
@@ -139,6 +151,9 @@ class ReplicaState:
     :param recent_inflight: the routers' requests in flight on it over the last seconds
         (:class:`router.occupancy.OccupancyBook`): the load a prefill there will meet even
         when the requests of the moment have just finished.
+    :param prefill_elapsed_ms: how long ago this router sent the oldest of its requests
+        there that have not produced their first token: the engine has been prefilling the
+        queue at least that long, so that much of ``queued_prefill_tokens`` is done.
     """
 
     id: str
@@ -157,6 +172,7 @@ class ReplicaState:
     routed_at_scrape: int | None = None
     valued_blocks: int | None = None
     recent_inflight: float = 0.0
+    prefill_elapsed_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +186,7 @@ class PolicyConfig:
     offload_hit_cost: float = 0.3
     temperature: float = 0.0
     tie_epsilon_ms: float = 1.0
+    tie_ratio: float = 0.05
     unseen_request_tokens: int = 1024
     decode_ms_per_request: float = 0.05
     kv_high_watermark: float = 0.9
@@ -190,6 +207,7 @@ class PolicyConfig:
         for name in (
             "temperature",
             "tie_epsilon_ms",
+            "tie_ratio",
             "unseen_request_tokens",
             "decode_ms_per_request",
             "kv_full_penalty_ms",
@@ -281,10 +299,20 @@ def _busyness(state: ReplicaState, fleet: Fleet) -> tuple[int, float]:
     return _active(state), 0.0 if fleet.home_tokens else round(state.recent_inflight, 3)
 
 
+def _tie_order(score: Score, state: ReplicaState, fleet: Fleet) -> tuple[int, int, float]:
+    """Which tied candidate comes first (least): the one that holds most of the prompt (a
+    near-tie is within the estimate's error, and a copy elsewhere costs cache the score
+    cannot see while the caches have room), then :func:`_busyness`."""
+    return (-score.matched_tokens, *_busyness(state, fleet))
+
+
 def _queued_tokens(state: ReplicaState, config: PolicyConfig) -> float:
-    """Prefill work ahead of a new request: every router's queue plus unseen waiting ones."""
+    """Prefill work ahead of a new request: every router's queue, less what the engine has
+    done of it since this router's oldest pending request was sent, plus unseen waiting
+    ones."""
     unseen = max(0, (state.engine_waiting or 0) - state.inflight) * config.unseen_request_tokens
-    return max(0, state.queued_prefill_tokens) + unseen
+    done = max(0.0, state.prefill_elapsed_ms) / state.speed.prefill_ms_per_token
+    return max(0.0, state.queued_prefill_tokens - done) + unseen
 
 
 def score_replica(
@@ -429,12 +457,15 @@ def decide(
     if config.temperature > 0:
         index = _sample(values, config.temperature, rng)
     else:
-        epsilon = config.tie_epsilon_ms if config.mode == "ttft" else _LINEAR_TIE
         best = max(values)
+        if config.mode == "ttft":
+            epsilon = max(config.tie_epsilon_ms, config.tie_ratio * -best)
+        else:
+            epsilon = _LINEAR_TIE
         tied = [i for i, v in enumerate(values) if v >= best - epsilon]
-        if len(tied) > 1:  # the least busy (new prompts: now, then lately); at random
-            fewest = min(_busyness(candidates[i], fleet) for i in tied)
-            tied = [i for i in tied if _busyness(candidates[i], fleet) == fewest]
+        if len(tied) > 1:  # the deepest cached chain; the least busy; at random
+            first = min(_tie_order(scores[i], candidates[i], fleet) for i in tied)
+            tied = [i for i in tied if _tie_order(scores[i], candidates[i], fleet) == first]
         index = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
     return Decision(scores[index].replica, scores, config.mode)
 

@@ -228,6 +228,21 @@ async def test_api_and_operator_keys(tmp_path: Path) -> None:
         create_app(router_missing, index=MemoryIndex(), registry=CollectorRegistry())
 
 
+async def test_the_prefill_speed_starts_from_the_configured_seed() -> None:
+    async with (
+        engines(2) as fleet,
+        router(replica=fleet.specs, prefill_floor_ms=40.0, prefill_ms_per_token=0.5) as service,
+        httpx.AsyncClient(base_url=base_url(service), timeout=10) as client,
+    ):
+        answer = await client.post("/index", json={"model": "sim", "token_ids": [7] * 100})
+        scores = answer.json()["decision"]["scores"]
+        # nothing observed yet: the estimate is the seed, whatever the replica
+        assert [s["prefill_ms"] for s in scores] == [pytest.approx(40.0 + 0.5 * 100)] * 2
+    for bad in ({"prefill_ms_per_token": 0.0}, {"prefill_floor_ms": -1.0}):
+        with pytest.raises(ConfigError, match="prefill"):
+            RouterSettings(**bad)  # type: ignore[arg-type]
+
+
 async def test_index_query_is_a_dry_run_with_score_breakdown() -> None:
     async with (
         engines(2) as fleet,

@@ -41,6 +41,25 @@ def test_leases_keep_exact_local_totals() -> None:
         board.acquire(NS, "r1", -1)
 
 
+def test_the_snapshot_says_since_when_the_oldest_pending_prefill_was_sent() -> None:
+    board = LocalLoadBoard()
+    assert board.local_snapshot(NS) == {}
+    a = board.acquire(NS, "r1", 1000)
+    b = board.acquire(NS, "r1", 500)
+    c = board.acquire(Namespace("llama", 16, "adapter"), "r2", 10)  # the base partition
+    view = board.local_snapshot(NS)
+    assert view["r1"].prefill_since == a.started <= b.started
+    assert view["r2"].prefill_since == c.started
+    a.first_token()  # done prefilling: the next oldest is b
+    assert board.local_snapshot(NS)["r1"].prefill_since == b.started
+    b.release()  # in flight no more, before its first token
+    c.first_token()  # decoding: in flight, nothing pending
+    a.release()
+    view = board.local_snapshot(NS)
+    assert "r1" not in view
+    assert view["r2"] == Load(1, 0) and view["r2"].prefill_since is None
+
+
 def test_lora_requests_count_towards_the_base_partition() -> None:
     board = LocalLoadBoard()
     board.acquire(Namespace("llama", 16, lora_name="sql"), "r1", 10)

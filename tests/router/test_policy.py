@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -120,8 +121,8 @@ def test_cache_hit_wins_until_its_queue_costs_more_than_the_weighted_miss(
     miss_weight: float,
 ) -> None:
     """The crossover is where queued work on the warm replica equals ``miss_weight`` times
-    the prefill it saves (1: pure expected TTFT)."""
-    config = PolicyConfig(miss_weight=miss_weight)
+    the prefill it saves (1: pure expected TTFT); exactly so without the tie window."""
+    config = PolicyConfig(miss_weight=miss_weight, tie_ratio=0.0)
     prompt, size = 4096, 16
     warm_blocks = (prompt - 1) // size
     saved = warm_blocks * size  # tokens the warm replica need not prefill
@@ -181,11 +182,43 @@ def test_tie_epsilon() -> None:
         for _ in range(200)
     }
     assert apart == {"a"}
-    exact = PolicyConfig(tie_epsilon_ms=0.0)
+    exact = PolicyConfig(tie_epsilon_ms=0.0, tie_ratio=0.0)
     assert {
         decide(100, [ReplicaState("a"), ReplicaState("b", speed=close)], exact, rng).replica
         for _ in range(200)
     } == {"a"}
+
+
+def test_the_queue_counts_what_is_left_of_the_prefills_ahead() -> None:
+    sent = ReplicaState("r", inflight=1, queued_prefill_tokens=4000)
+    busy = score_replica(100, sent, CONFIG)
+    assert busy.queue_ms == pytest.approx(S * 4000 + CONFIG.decode_ms_per_request)
+    # the oldest pending request was sent a while ago: the engine has done that much of it
+    later = score_replica(100, replace(sent, prefill_elapsed_ms=S * 1000), CONFIG)
+    assert later.queue_ms == pytest.approx(S * 3000 + CONFIG.decode_ms_per_request)
+    assert later.work_tokens == pytest.approx(3000 + 100)  # what the estimator learns from
+    done = score_replica(100, replace(sent, prefill_elapsed_ms=S * 9000), CONFIG)
+    assert done.queue_ms == pytest.approx(CONFIG.decode_ms_per_request)
+
+
+def test_a_near_tie_goes_to_the_replica_holding_the_prompt() -> None:
+    # the second request of a new prefix while the first is still prefilling at home: the
+    # wait there and a cold prefill elsewhere are within the estimate's error; a copy would
+    # cost cache the score cannot see while the caches have room
+    prompt = 4000
+    room = {"cache_blocks": 1024, "resident_blocks": 0}  # the first's blocks not stored yet
+    home = ReplicaState("home", 249, 249, inflight=1, queued_prefill_tokens=prompt, **room)
+    idle = ReplicaState("idle", **room)
+    rng = random.Random(2)
+    costs = {s.replica: -s.score for s in decide(prompt, [home, idle], CONFIG, rng).scores}
+    assert costs["idle"] < costs["home"] < costs["idle"] * (1 + CONFIG.tie_ratio)
+    assert {decide(prompt, [home, idle], CONFIG, rng).replica for _ in range(50)} == {"home"}
+    # strictly by the estimate, the idle replica is faster
+    strict = PolicyConfig(tie_ratio=0.0)
+    assert decide(prompt, [home, idle], strict, rng).replica == "idle"
+    # a wait well beyond the estimate's error is not a tie
+    queued = ReplicaState("home", 249, 249, inflight=2, queued_prefill_tokens=2 * prompt, **room)
+    assert decide(prompt, [queued, idle], CONFIG, rng).replica == "idle"
 
 
 def test_softmax_temperature_samples_by_score_difference() -> None:
@@ -290,9 +323,7 @@ def test_decision_is_the_best_within_epsilon(
     decision = decide(prompt, states, CONFIG, random.Random(seed))
     best = max(s.score for s in decision.scores)
     assert len(decision.scores) == len(states)
-    assert any(
-        s.replica == decision.replica and s.score >= best - CONFIG.tie_epsilon_ms
-        for s in decision.scores
-    )
+    window = max(CONFIG.tie_epsilon_ms, CONFIG.tie_ratio * -best)
+    assert any(s.replica == decision.replica and s.score >= best - window for s in decision.scores)
     sampled = decide(prompt, states, PolicyConfig(temperature=5.0), random.Random(seed))
     assert sampled.replica in {s.id for s in states}

@@ -1,0 +1,27 @@
+"""The benchmark fleet's settings: what the routers are told about the simulated engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.harness import FleetConfig, lone_prefill_speed
+from publishers.latency import load_profile
+from router.policy import DEFAULT_SPEED
+
+
+def test_the_simulated_h200_prefills_at_the_calibrated_speed() -> None:
+    speed = lone_prefill_speed(load_profile("llama-8b"), 8192)
+    # the profile is fitted to the same H200 calibration as the router's default seed
+    assert speed.prefill_ms_per_token == pytest.approx(DEFAULT_SPEED.prefill_ms_per_token, 0.05)
+    assert 15 < speed.floor_ms < 35
+    slower = lone_prefill_speed(load_profile("llama-8b"), 8192, time_scale=3.0)
+    assert slower.prefill_ms_per_token == pytest.approx(3 * speed.prefill_ms_per_token)
+    assert slower.floor_ms == pytest.approx(3 * speed.floor_ms)
+
+
+def test_routers_are_seeded_for_the_time_scale_and_later_flags_win() -> None:
+    args = FleetConfig(time_scale=3.0, router_args=("--prefill-ms-per-token", "1")).stack()
+    flags = list(args.router_args)
+    seeded = float(flags[flags.index("--prefill-ms-per-token") + 1])
+    assert seeded == pytest.approx(3 * DEFAULT_SPEED.prefill_ms_per_token, 0.05)
+    assert flags[-2:] == ["--prefill-ms-per-token", "1"]  # the user's, last: argparse keeps it
