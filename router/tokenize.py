@@ -35,6 +35,9 @@ from tracker.tokens import Message, TokenizationError, Tokenizer
 _ENTRY_OVERHEAD: Final = 32  # tokens' worth (8 bytes each) of dict entry, key and tuple header
 _PIECE_SEED: Final = 0  # a piece encoded without special tokens
 _WHOLE_SEED: Final = 1  # a whole prompt encoded with special tokens
+# Misses this short are encoded on the event loop: a worker thread's round trip (~0.1 ms, and
+# the GIL handed back and forth) costs more than encoding a question-sized piece.
+INLINE_CHARS: Final = 1_024
 
 
 Ids = tuple[int, ...]
@@ -107,12 +110,18 @@ class PromptTokenizer:
         *,
         cache_tokens: int = 4_000_000,
         executor: Executor | None = None,
+        inline_chars: int = INLINE_CHARS,
     ) -> None:
         """:param cache_tokens: cache bound in token ids (4 bytes each, ~32 per entry extra).
         :param executor: where misses are encoded (default: the loop's default executor).
+        :param inline_chars: misses of at most this many characters in all are encoded in the
+            calling thread: a worker thread's round trip costs more than encoding them.
         """
         if cache_tokens < 0:
             raise ValueError(f"cache_tokens must be >= 0, got {cache_tokens}")
+        if inline_chars < 0:
+            raise ValueError(f"inline_chars must be >= 0, got {inline_chars}")
+        self.inline_chars = inline_chars
         self.tokenizer = tokenizer
         self._hf = tokenizer.hf
         # tracker.tokens gives some tokenizers (the builtin) a faster exact encoder than the
@@ -229,7 +238,8 @@ class PromptTokenizer:
         return shared
 
     def _encode(self, texts: list[str], whole: bool) -> list[Ids]:
-        """Encode ``texts`` in one batch (releases the GIL); runs in a worker thread."""
+        """Encode ``texts`` in one batch (releases the GIL): in a worker thread, or inline when
+        short (``inline_chars``)."""
         if self._fast:
             encode = self.tokenizer.encode
             return [self._interned(encode(text, add_special_tokens=whole)) for text in texts]
@@ -255,6 +265,12 @@ class PromptTokenizer:
 
     def _ids_sync(self, text: str, *, special: bool) -> list[int]:
         parts, misses, whole = self._lookup(text, special)
+        return self._resolve(parts, misses, special, whole)
+
+    def _resolve(
+        self, parts: _Parts, misses: dict[int, str], special: bool, whole: bool
+    ) -> list[int]:
+        """Encode ``misses`` in the calling thread, cache them, assemble the prompt."""
         resolved: dict[int, Ids] = {}
         if misses:
             resolved = dict(zip(misses, self._encode(list(misses.values()), whole), strict=True))
@@ -265,6 +281,8 @@ class PromptTokenizer:
         parts, misses, whole = self._lookup(text, special)
         if not misses:
             return self._assemble(parts, {}, special, whole)
+        if sum(map(len, misses.values())) <= self.inline_chars:
+            return self._resolve(parts, misses, special, whole)
         waits: dict[int, tuple[asyncio.Future[list[Ids]], int]] = {}
         fresh: dict[int, str] = {}
         for key, piece in misses.items():

@@ -307,7 +307,7 @@ async def test_async_path_encodes_in_the_executor_and_shares_work(
 ) -> None:
     tok = tokenizers["chatml-bpe"]
     with ThreadPoolExecutor(2) as pool:
-        pt = PromptTokenizer(tok, executor=pool)
+        pt = PromptTokenizer(tok, executor=pool, inline_chars=0)
         recorder = _Recorder(tok.hf)
         pt._hf = recorder  # type: ignore[assignment]
         conversations = [
@@ -327,12 +327,30 @@ async def test_async_path_encodes_in_the_executor_and_shares_work(
         assert await pt.prompt([1, 2, 3]) == [1, 2, 3]
 
 
+async def test_short_misses_are_encoded_inline_and_long_ones_in_the_executor(
+    tokenizers: dict[str, Tokenizer],
+) -> None:
+    tok = tokenizers["chatml-bpe"]
+    with ThreadPoolExecutor(1) as pool:
+        pt = PromptTokenizer(tok, executor=pool, inline_chars=200)
+        recorder = _Recorder(tok.hf)
+        pt._hf = recorder  # type: ignore[assignment]
+        short = [{"role": "user", "content": "a short question"}]
+        assert await pt.chat(short) == tok.chat_token_ids(short)
+        assert recorder.threads == [threading.get_ident()]
+        long = [{"role": "system", "content": " ".join(CORPUS) * 2}, *short]
+        assert await pt.chat(long) == tok.chat_token_ids(long)
+        assert len(recorder.threads) == 2 and recorder.threads[1] != threading.get_ident()
+    with pytest.raises(ValueError, match="inline_chars"):
+        PromptTokenizer(tok, inline_chars=-1)
+
+
 async def test_a_cancelled_request_does_not_break_others_waiting_on_its_batch(
     tokenizers: dict[str, Tokenizer],
 ) -> None:
     tok = tokenizers["chatml-bpe"]
     with ThreadPoolExecutor(1) as pool:
-        pt = PromptTokenizer(tok, executor=pool)
+        pt = PromptTokenizer(tok, executor=pool, inline_chars=0)
         recorder = _Recorder(tok.hf)
         recorder.gate.clear()
         pt._hf = recorder  # type: ignore[assignment]
