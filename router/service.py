@@ -24,7 +24,7 @@ from router.placement import TokenizerBook
 from tracker.config import TrackerSettings
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex
-from tracker.lifecycle import run_on_loop, run_until_signalled, running_loop_name
+from tracker.lifecycle import freeze_heap, run_on_loop, run_until_signalled, running_loop_name
 from tracker.service import TrackerService
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,17 @@ class RouterService:
     :param registry: where every metric goes (default: a fresh one).
     """
 
-    def __init__(self, settings: RouterSettings, *, registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        registry: CollectorRegistry | None = None,
+        freeze: bool = False,
+    ) -> None:
+        """:param freeze: the service owns its process: freeze the start-up heap once it
+        serves (:func:`tracker.lifecycle.freeze_heap`)."""
         self.settings = settings
+        self.freeze = freeze
         self.registry = registry or CollectorRegistry()
         self.router_id = settings.router_id or new_router_id()
         self.index: BlockIndex | None = None
@@ -100,6 +109,8 @@ class RouterService:
         except BaseException:
             await self._close()
             raise
+        if self.freeze:
+            freeze_heap()
         logger.info(
             "router listening",
             extra={
@@ -174,7 +185,7 @@ class RouterService:
 
 async def serve(settings: RouterSettings) -> int:
     """Run a router until SIGINT/SIGTERM."""
-    return await run_until_signalled(RouterService(settings))
+    return await run_until_signalled(RouterService(settings, freeze=True))
 
 
 def run(settings: RouterSettings) -> int:

@@ -47,6 +47,8 @@ class UsageFilter:
 
     def feed(self, data: bytes) -> bytes:
         """The complete events in ``buffered + data``, to forward now (maybe ``b""``)."""
+        if not self._buffer and data.endswith(b"\n\n") and b'"usage"' not in data:
+            return data  # whole events, none to read: the common chunk, forwarded as it is
         self._buffer += data
         end = 0
         out: list[bytes] = []

@@ -26,7 +26,7 @@ from tracker.config import TrackerSettings
 from tracker.errors import ConfigError, IndexUnavailableError
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex, ReplicaRecord
-from tracker.lifecycle import run_on_loop, run_until_signalled, running_loop_name
+from tracker.lifecycle import freeze_heap, run_on_loop, run_until_signalled, running_loop_name
 from tracker.metrics import TrackerMetrics
 from tracker.streams import ReplicaTarget
 from tracker.subscriber import Subscriber
@@ -62,9 +62,17 @@ class TrackerService:
     """
 
     def __init__(
-        self, settings: TrackerSettings, index: BlockIndex, registry: CollectorRegistry
+        self,
+        settings: TrackerSettings,
+        index: BlockIndex,
+        registry: CollectorRegistry,
+        *,
+        freeze: bool = False,
     ) -> None:
+        """:param freeze: the service owns its process: freeze the start-up heap once it
+        runs (:func:`tracker.lifecycle.freeze_heap`)."""
         self.settings = settings
+        self.freeze = freeze
         self.index = index
         self.registry = registry
         self.metrics = TrackerMetrics(registry)
@@ -94,6 +102,8 @@ class TrackerService:
         self._spawn(self._registry_loop(), "registry")
         if self.settings.http_port:
             await self._start_http()
+        if self.freeze:
+            freeze_heap()
         logger.info(
             "tracker started",
             extra={
@@ -340,7 +350,8 @@ async def serve(settings: TrackerSettings) -> int:
     else:
         index = MemoryIndex()
     try:
-        return await run_until_signalled(TrackerService(settings, index, CollectorRegistry()))
+        service = TrackerService(settings, index, CollectorRegistry(), freeze=True)
+        return await run_until_signalled(service)
     finally:
         await index.close()
 

@@ -1,14 +1,22 @@
-"""Which event loop a process runs on (``--loop``)."""
+"""A service's process: which event loop it runs on (``--loop``), its start-up heap frozen."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from router.service import RouterService
+from tests.router.harness import router_settings
+from tracker.config import TrackerSettings
 from tracker.errors import ConfigError
+from tracker.index import MemoryIndex
 from tracker.lifecycle import loop_factory, run_on_loop, running_loop_name
+from tracker.service import TrackerService
 
 
 async def _loop_module() -> str:
@@ -38,3 +46,38 @@ def test_an_unknown_loop_is_a_config_error() -> None:
         loop_factory("trio")
     with pytest.raises(ConfigError, match="loop: must be one of"):
         run_on_loop(_loop_module(), "trio")  # and the coroutine is closed, not left unawaited
+
+
+@pytest.fixture
+def unfrozen() -> Iterator[None]:
+    """Each test starts with nothing frozen, and leaves nothing frozen behind."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.mark.usefixtures("unfrozen")
+async def test_a_router_that_owns_its_process_freezes_its_start_up_heap() -> None:
+    for freeze in (False, True):
+        service = RouterService(router_settings(), freeze=freeze)
+        await service.start()
+        try:
+            assert (gc.get_freeze_count() > 0) is freeze
+        finally:
+            await service.stop()
+
+
+@pytest.mark.usefixtures("unfrozen")
+async def test_a_tracker_that_owns_its_process_freezes_its_start_up_heap() -> None:
+    for freeze in (False, True):
+        service = TrackerService(
+            TrackerSettings(bind="tcp://127.0.0.1:0"),
+            MemoryIndex(),
+            CollectorRegistry(),
+            freeze=freeze,
+        )
+        await service.start()
+        try:
+            assert (gc.get_freeze_count() > 0) is freeze
+        finally:
+            await service.stop()
