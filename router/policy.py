@@ -74,8 +74,9 @@ Defaults and where they come from:
   real overload (docs/architecture.md). With room in the cache the term is 0.
 * ``tie_epsilon_ms = 1``, ``tie_ratio = 0.05``: candidates within 1 ms or 5 % of the best
   cost are a tie (the estimate is a line through noisy TTFTs: a cold 5k-token prefill on
-  the benchmark's engines took 460-520 ms against one fitted value), given to the one that
-  holds most of the prompt, then the fewest requests in flight, then at random. A copy
+  the benchmark's engines took 460-520 ms against one fitted value). A near-tie (beyond
+  1 ms) goes to the prompt's home, then to the one that holds most of the prompt; an exact
+  one to the fewest requests in flight, then at random. A copy
   that saves 4 % of one request's TTFT by the estimate costs cache the score cannot see
   while the caches have room.
   ``temperature > 0`` instead samples with probability ``exp((score - best) / temperature)``
@@ -299,11 +300,13 @@ def _busyness(state: ReplicaState, fleet: Fleet) -> tuple[int, float]:
     return _active(state), 0.0 if fleet.home_tokens else round(state.recent_inflight, 3)
 
 
-def _tie_order(score: Score, state: ReplicaState, fleet: Fleet) -> tuple[int, int, float]:
-    """Which tied candidate comes first (least): the one that holds most of the prompt (a
-    near-tie is within the estimate's error, and a copy elsewhere costs cache the score
-    cannot see while the caches have room), then :func:`_busyness`."""
-    return (-score.matched_tokens, *_busyness(state, fleet))
+def _near_order(score: Score) -> tuple[int, int]:
+    """Which of the candidates within ``tie_ratio`` of the best comes first (least): the
+    prompt's home (after an eviction every replica misses, and near-ties drew groups off
+    their homes; tests/test_topology.py), then the one holding most of the prompt (a copy
+    elsewhere costs cache the score cannot see while the caches have room). Exact ties
+    (``tie_epsilon_ms``) keep the draw by :func:`_busyness`."""
+    return round(score.split_tokens), -score.matched_tokens
 
 
 def _queued_tokens(state: ReplicaState, config: PolicyConfig) -> float:
@@ -458,14 +461,16 @@ def decide(
         index = _sample(values, config.temperature, rng)
     else:
         best = max(values)
-        if config.mode == "ttft":
-            epsilon = max(config.tie_epsilon_ms, config.tie_ratio * -best)
-        else:
-            epsilon = _LINEAR_TIE
+        epsilon = config.tie_epsilon_ms if config.mode == "ttft" else _LINEAR_TIE
         tied = [i for i, v in enumerate(values) if v >= best - epsilon]
-        if len(tied) > 1:  # the deepest cached chain; the least busy; at random
-            first = min(_tie_order(scores[i], candidates[i], fleet) for i in tied)
-            tied = [i for i in tied if _tie_order(scores[i], candidates[i], fleet) == first]
+        ratio = config.tie_ratio * -best if config.mode == "ttft" else 0.0
+        near = [i for i, v in enumerate(values) if v >= best - ratio]
+        if len(near) > len(tied):  # within the estimate's error: the home, the deepest chain
+            first = min(_near_order(scores[i]) for i in near)
+            tied = [i for i in near if _near_order(scores[i]) == first]
+        if len(tied) > 1:  # the least busy; at random
+            fewest = min(_busyness(candidates[i], fleet) for i in tied)
+            tied = [i for i in tied if _busyness(candidates[i], fleet) == fewest]
         index = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
     return Decision(scores[index].replica, scores, config.mode)
 

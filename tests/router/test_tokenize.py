@@ -302,14 +302,22 @@ class _Recorder:
         return self.hf.encode_batch(texts, add_special_tokens=add_special_tokens)
 
 
+def _recorded(
+    tok: Tokenizer, pool: ThreadPoolExecutor, inline_chars: int = 0
+) -> tuple[PromptTokenizer, _Recorder]:
+    """A prompt tokenizer encoding in ``pool`` (or inline), its encoder recording threads."""
+    pt = PromptTokenizer(tok, executor=pool, inline_chars=inline_chars)
+    recorder = _Recorder(tok.hf)
+    pt._hf = recorder  # type: ignore[assignment]
+    return pt, recorder
+
+
 async def test_async_path_encodes_in_the_executor_and_shares_work(
     tokenizers: dict[str, Tokenizer],
 ) -> None:
     tok = tokenizers["chatml-bpe"]
     with ThreadPoolExecutor(2) as pool:
-        pt = PromptTokenizer(tok, executor=pool, inline_chars=0)
-        recorder = _Recorder(tok.hf)
-        pt._hf = recorder  # type: ignore[assignment]
+        pt, recorder = _recorded(tok, pool)
         conversations = [
             [{"role": "system", "content": CORPUS[0]}, {"role": "user", "content": f"q{i % 3}"}]
             for i in range(12)
@@ -332,9 +340,7 @@ async def test_short_misses_are_encoded_inline_and_long_ones_in_the_executor(
 ) -> None:
     tok = tokenizers["chatml-bpe"]
     with ThreadPoolExecutor(1) as pool:
-        pt = PromptTokenizer(tok, executor=pool, inline_chars=200)
-        recorder = _Recorder(tok.hf)
-        pt._hf = recorder  # type: ignore[assignment]
+        pt, recorder = _recorded(tok, pool, inline_chars=200)
         short = [{"role": "user", "content": "a short question"}]
         assert await pt.chat(short) == tok.chat_token_ids(short)
         assert recorder.threads == [threading.get_ident()]
@@ -350,10 +356,8 @@ async def test_a_cancelled_request_does_not_break_others_waiting_on_its_batch(
 ) -> None:
     tok = tokenizers["chatml-bpe"]
     with ThreadPoolExecutor(1) as pool:
-        pt = PromptTokenizer(tok, executor=pool, inline_chars=0)
-        recorder = _Recorder(tok.hf)
+        pt, recorder = _recorded(tok, pool)
         recorder.gate.clear()
-        pt._hf = recorder  # type: ignore[assignment]
         messages = [{"role": "user", "content": "shared piece of work"}]
         first = asyncio.create_task(pt.chat(messages))
         await asyncio.sleep(0.01)
