@@ -96,8 +96,8 @@ class RouterSettings(ServiceSettings):
     tie_epsilon_ms: float = setting(1.0, "expected TTFTs this close are a tie")
     tie_ratio: float = setting(
         0.05,
-        "expected costs within this share of the best one are a tie too (the estimate's "
-        "error); ties go to the replica holding most of the prompt, then the least busy",
+        "expected costs within this share of the best one are a near-tie (the estimate's "
+        "error), given to the prompt's home, then the replica holding most of the prompt",
     )
     miss_weight: float = setting(
         3.0,

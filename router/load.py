@@ -211,8 +211,8 @@ class _Totals:
 
     def __init__(self) -> None:
         self._totals: dict[Namespace, dict[str, list[int]]] = {}
-        # per (partition, replica): the leases still prefilling, oldest first (dict order)
-        self._prefilling: dict[_Key, dict[Lease, float]] = {}
+        # per (partition, replica): the leases still prefilling, oldest first (an ordered set)
+        self._prefilling: dict[_Key, dict[Lease, None]] = {}
 
     def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
         """Count a request just sent to ``replica``; release the returned lease when done.
@@ -224,7 +224,7 @@ class _Totals:
         base = namespace.base()
         self._adjust(base, replica, 1, prefill_tokens)
         lease = Lease(self, base, replica, prefill_tokens)
-        self._prefilling.setdefault((base, replica), {})[lease] = lease.started
+        self._prefilling.setdefault((base, replica), {})[lease] = None
         return lease
 
     def _prefilled(self, lease: Lease) -> None:
@@ -238,7 +238,7 @@ class _Totals:
     def _since(self, namespace: Namespace, replica: str) -> float | None:
         """When this router's oldest request still prefilling on ``replica`` was sent."""
         pending = self._prefilling.get((namespace, replica))
-        return next(iter(pending.values())) if pending else None
+        return next(iter(pending)).started if pending else None
 
     def _adjust(self, namespace: Namespace, replica: str, inflight: int, tokens: int) -> None:
         per = self._totals.setdefault(namespace, {})
