@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from tracker.errors import IndexUnavailableError
 from tracker.index import BlockIndex, ReplicaRecord
+from tracker.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,7 @@ class RegistrationService:
         """Stop beating and remove the records (bounded by ``stop_timeout_s``)."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
         try:
             done = await asyncio.wait_for(self._deregister(), self.stop_timeout_s)
         except TimeoutError:

@@ -16,11 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from router.load import Load, LoadBoard
+from router.load import Load, LoadBoard, RedisLoadBoard
 from router.metrics import RouterMetrics
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
 from tracker.index import BlockIndex, Home, Match, Residency
+from tracker.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,12 @@ class GuardedIndex:
     ) -> None:
         self.index = index
         self.load = load
+        # the load board's hash lives beside the index: one script reads both
+        self._board = (
+            load
+            if isinstance(load, RedisLoadBoard) and getattr(index, "client", None) is load.client
+            else None
+        )
         self.metrics = metrics
         self.budget_s = budget_s
         self.per_block_s = per_block_s
@@ -141,9 +148,14 @@ class GuardedIndex:
             return self._fallback(namespace, "breaker_open")
         try:
             async with asyncio.timeout(self.budget_s + self.per_block_s * len(keys)):
-                survey, loads = await asyncio.gather(
-                    self.index.survey(namespace, keys), self.load.snapshot(namespace)
-                )
+                if self._board is not None:
+                    board = self._board
+                    survey = await self.index.survey(namespace, keys, load_except=board.router_id)
+                    loads = board.merge(namespace, survey.load or {})
+                else:
+                    survey, loads = await asyncio.gather(
+                        self.index.survey(namespace, keys), self.load.snapshot(namespace)
+                    )
         except TimeoutError:
             self.breaker.failure()
             return self._fallback(namespace, "timeout")
@@ -208,12 +220,9 @@ class GuardedIndex:
         (keys, ttl_s), (anchors, home_ttl_s) = predictions, homes
         try:
             async with asyncio.timeout(max(PREDICT_TIMEOUT_S, self.budget_s)):
-                writes = []
-                if keys:
-                    writes.append(self.index.predict(namespace, replica, keys, ttl_s))
-                if anchors:
-                    writes.append(self.index.claim(namespace, replica, anchors, home_ttl_s))
-                await asyncio.gather(*writes)
+                await self.index.route(
+                    namespace, replica, keys, ttl_s=ttl_s, anchors=anchors, home_ttl_s=home_ttl_s
+                )
         except (TimeoutError, IndexUnavailableError) as exc:
             self.breaker.failure()
             self.metrics.predictions.labels("error").inc()
@@ -223,7 +232,4 @@ class GuardedIndex:
 
     async def stop(self) -> None:
         """Cancel predictions still in flight."""
-        pending = list(self._pending)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await cancel_and_wait(list(self._pending))

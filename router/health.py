@@ -24,6 +24,7 @@ from router.replicas import EngineLoad, Replica, ReplicaSet
 from router.upstream import UpstreamClient, failure_kind
 from tracker.errors import IndexUnavailableError
 from tracker.index import BlockIndex
+from tracker.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +114,7 @@ class ReplicaMonitor:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=f"kvrouter-{name}")

@@ -8,8 +8,12 @@ prompt tokens as queued prefill work until :meth:`Lease.first_token`; nothing af
 the partition's ``load`` hash (:attr:`tracker.keys.NamespaceKeys.load`), field
 ``<replica> NUL <router id>``, value ``struct.pack('<ddd', inflight, tokens, expiry_ms)``
 with the expiry computed from Redis ``TIME`` inside the script, so router clocks never
-matter. A change is pushed at once by a single coalescing background task (the request path
-never waits for Redis); a renew loop rewrites every non-zero total each ``renew_interval_s``.
+matter. A change is pushed by a single coalescing background task (the request path never
+waits for Redis) ``push_delay_s`` after it happens (:data:`PUSH_DELAY_S`), with whatever else
+changed meanwhile: pushed at once, the write's client work ran between a request's decision
+and its upstream send, and between its first chunk and the relay (a lone request through
+the router took 0.5 ms longer, `python -m bench.overhead`); and under load one write carries
+many requests' changes. A renew loop rewrites every non-zero total each ``renew_interval_s``.
 A snapshot is one script call that sums the other routers' unexpired entries (pruning expired
 ones) and adds this router's exact local totals. A router that dies leaks nothing: its
 entries expire ``lease_ttl_s`` after its last renewal; :meth:`RedisLoadBoard.stop` deletes
@@ -24,6 +28,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Protocol
@@ -31,75 +36,18 @@ from typing import Final, Protocol
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
+from tracker import lua
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
 from tracker.keys import NamespaceKeys
+from tracker.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-# KEYS: [load hash]; ARGV: [router id, ttl ms, then (replica, inflight, tokens) triples].
-# A zero total deletes the field. The hash itself expires 2 ttl after the last write, so a
-# partition whose routers all died disappears even if nobody reads it again.
-PUT: Final = """
-local t = redis.call('TIME')
-local ttl = tonumber(ARGV[2])
-local expiry = t[1] * 1000 + math.floor(t[2] / 1000) + ttl
-local written = 0
-for i = 3, #ARGV - 2, 3 do
-  local field = ARGV[i] .. '\\0' .. ARGV[1]
-  local n, q = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-  if n == 0 and q == 0 then
-    redis.call('HDEL', KEYS[1], field)
-  else
-    redis.call('HSET', KEYS[1], field, struct.pack('<ddd', n, q, expiry))
-    written = written + 1
-  end
-end
-if written > 0 and redis.call('PTTL', KEYS[1]) < 2 * ttl then
-  redis.call('PEXPIRE', KEYS[1], 2 * ttl)
-end
-return written
-"""
+PUSH_DELAY_S: Final = 0.002
+"""How long a load change waits to be pushed (module docstring): other routers see it this
+much later, next to the tens of milliseconds a prefill takes."""
 
-# KEYS: [load hash]; ARGV: [router id whose entries to skip].
-# Returns [replica, inflight, tokens, ...] summed over the other routers' live entries.
-SNAPSHOT: Final = """
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-local all = redis.call('HGETALL', KEYS[1])
-local sums, order, dead = {}, {}, {}
-for i = 1, #all, 2 do
-  local field, value = all[i], all[i + 1]
-  local replica, router = string.match(field, '^(.*)%z(.-)$')
-  if replica == nil or #value ~= 24 then
-    dead[#dead + 1] = field
-  else
-    local n, q, expiry = struct.unpack('<ddd', value)
-    if expiry <= now then
-      dead[#dead + 1] = field
-    elseif router ~= ARGV[1] then
-      local s = sums[replica]
-      if not s then
-        s = {0, 0}
-        sums[replica] = s
-        order[#order + 1] = replica
-      end
-      s[1] = s[1] + n
-      s[2] = s[2] + q
-    end
-  end
-end
-for i = 1, #dead, 1000 do
-  redis.call('HDEL', KEYS[1], unpack(dead, i, math.min(i + 999, #dead)))
-end
-local out = {}
-for _, replica in ipairs(order) do
-  out[#out + 1] = replica
-  out[#out + 1] = sums[replica][1]
-  out[#out + 1] = sums[replica][2]
-end
-return out
-"""
 
 _Key = tuple[Namespace, str]
 
@@ -302,6 +250,7 @@ class RedisLoadBoard(_Totals):
         *,
         lease_ttl_s: float = 5.0,
         renew_interval_s: float = 1.0,
+        push_delay_s: float = PUSH_DELAY_S,
     ) -> None:
         """Share load through ``client``.
 
@@ -310,6 +259,8 @@ class RedisLoadBoard(_Totals):
         :param router_id: unique per router process (see :func:`new_router_id`).
         :param lease_ttl_s: how long this router's entries outlive its last renewal.
         :param renew_interval_s: how often non-zero entries are rewritten (< ``lease_ttl_s``).
+        :param push_delay_s: how long a change waits for others to share its write (module
+            docstring).
         """
         super().__init__()
         if not router_id or "\x00" in router_id:
@@ -320,9 +271,10 @@ class RedisLoadBoard(_Totals):
         self.router_id = router_id
         self.lease_ttl_s = lease_ttl_s
         self.renew_interval_s = renew_interval_s
+        self.push_delay_s = push_delay_s
         self.stats = LoadBoardStats()
-        self._put = client.register_script(PUT)
-        self._snapshot = client.register_script(SNAPSHOT)
+        self._put = client.register_script(lua.LOAD_PUT)
+        self._snapshot = client.register_script(lua.LOAD_SNAPSHOT)
         self._keys: dict[Namespace, str] = {}
         self._dirty: set[_Key] = set()
         self._written: set[_Key] = set()
@@ -352,6 +304,8 @@ class RedisLoadBoard(_Totals):
         self._pusher = loop.create_task(self._push_dirty(), name="kvrouter-load-push")
 
     async def _push_dirty(self) -> None:
+        if self.push_delay_s > 0:
+            await asyncio.sleep(self.push_delay_s)
         while self._dirty and not self._stopped:
             batch, self._dirty = self._dirty, set()
             if not await self._push(batch):
@@ -416,8 +370,7 @@ class RedisLoadBoard(_Totals):
         self._stopped = True
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
-            renewer.cancel()
-            await asyncio.gather(renewer, return_exceptions=True)
+            await cancel_and_wait([renewer])
         pusher, self._pusher = self._pusher, None
         if pusher is not None:
             _, pending = await asyncio.wait({pusher}, timeout=timeout_s)
@@ -450,15 +403,25 @@ class RedisLoadBoard(_Totals):
         except (RedisError, OSError) as exc:
             self.stats.snapshot_errors += 1
             raise IndexUnavailableError(f"redis load snapshot failed: {exc}") from exc
+        others = {
+            (raw.decode() if isinstance(raw, bytes) else str(raw)): (
+                int(reply[i + 1]),
+                int(reply[i + 2]),
+            )
+            for i in range(0, len(reply) - 2, 3)
+            if (raw := reply[i])
+        }
+        return self.merge(base, others)
+
+    def merge(self, namespace: Namespace, others: Mapping[str, tuple[int, int]]) -> dict[str, Load]:
+        """Every router's load: the other routers' (in flight, queued prefill tokens) per
+        replica, read from Redis (:meth:`snapshot`, or an index survey that read the load
+        hash with its lookup), plus this router's own."""
         self.stats.snapshots += 1
-        out = self.local_snapshot(base)
-        for i in range(0, len(reply) - 2, 3):
-            raw = reply[i]
-            replica = raw.decode() if isinstance(raw, bytes) else str(raw)
+        out = self.local_snapshot(namespace)
+        for replica, (inflight, tokens) in others.items():
             mine = out.get(replica, Load())
             out[replica] = Load(
-                mine.inflight + int(reply[i + 1]),
-                mine.queued_prefill_tokens + int(reply[i + 2]),
-                mine.prefill_since,
+                mine.inflight + inflight, mine.queued_prefill_tokens + tokens, mine.prefill_since
             )
         return out

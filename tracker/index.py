@@ -65,6 +65,9 @@ class Survey(msgspec.Struct, frozen=True):
     matches: dict[str, Match]
     residency: dict[str, Residency]
     homes: dict[str, Home] = msgspec.field(default_factory=dict)
+    load: dict[str, tuple[int, int]] | None = None
+    """Per replica, the other routers' requests in flight and queued prefill tokens, when
+    asked for (``load_except``) and the index holds the routers' shared load (Redis)."""
 
 
 class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,8 +117,12 @@ class BlockIndex(Protocol):
     async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
         """Per replica, the longest contiguous prefix of ``keys`` it holds (absent if none)."""
 
-    async def survey(self, namespace: Namespace, keys: Sequence[int]) -> Survey:
-        """:meth:`lookup` and every replica's :class:`Residency`, in one round trip."""
+    async def survey(
+        self, namespace: Namespace, keys: Sequence[int], *, load_except: str | None = None
+    ) -> Survey:
+        """:meth:`lookup` and every replica's :class:`Residency`, in one round trip; with
+        ``load_except`` (a router's id), the other routers' shared load too where the index
+        holds it (:attr:`Survey.load`; None where it does not)."""
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
@@ -135,6 +142,19 @@ class BlockIndex(Protocol):
         outlives eviction (it says where a prefix was sent, not what is cached) and expires
         ``ttl_s`` after the last request that renewed it.
         """
+
+    async def route(
+        self,
+        namespace: Namespace,
+        replica: str,
+        keys: Sequence[int],
+        *,
+        ttl_s: float,
+        anchors: Sequence[int],
+        home_ttl_s: float,
+    ) -> None:
+        """:meth:`predict` ``keys`` and :meth:`claim` ``anchors`` together (one round trip
+        where the backend is remote): what a router records of each request it routes."""
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
         """How many distinct blocks ``replica`` holds."""
@@ -316,7 +336,9 @@ class MemoryIndex:
 
         return walk(keys, self._blocks.get(namespace.base(), {}), predicted_of)
 
-    async def survey(self, namespace: Namespace, keys: Sequence[int]) -> Survey:
+    async def survey(
+        self, namespace: Namespace, keys: Sequence[int], *, load_except: str | None = None
+    ) -> Survey:
         counts = self._residency.get(namespace.base(), {})
         residency = {r: Residency(n, s) for r, (n, s) in counts.items()}
         return Survey(
@@ -344,6 +366,19 @@ class MemoryIndex:
             table[key] = (replica, now, now + ttl_s)
         if len(table) > _PREDICTION_SWEEP and self._sweep_at <= now:
             self._sweep_predictions(now)
+
+    async def route(
+        self,
+        namespace: Namespace,
+        replica: str,
+        keys: Sequence[int],
+        *,
+        ttl_s: float,
+        anchors: Sequence[int],
+        home_ttl_s: float,
+    ) -> None:
+        await self.predict(namespace, replica, keys, ttl_s)
+        await self.claim(namespace, replica, anchors, home_ttl_s)
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float

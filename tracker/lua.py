@@ -153,12 +153,86 @@ local function pack_expiry(ms)
 end
 """
 
-# KEYS: [rname hash]; ARGV: [key prefix with hash tag, n x 8-byte block key]
-# Returns {matches, stats, homes}: matches a flat array [replica, matched blocks, matched GPU
-# blocks, predicted blocks, ...]; stats the partition's whole stats hash (HGETALL), for every
-# replica; homes [replica, depth in blocks, age ms, ...]: the home records of the chain's
-# anchors (tracker.keys.home_anchors), walked from the first while each has one, every replica
-# with the deepest anchor that names it.
+# The shared router load (tracker.keys: ``load``), for router.load: PUT writes one router's
+# totals, load_snapshot sums the others' live entries, pruning expired ones.
+# KEYS: [load hash]; ARGV: [router id, ttl ms, then (replica, inflight, tokens) triples].
+# A zero total deletes the field. The hash itself expires 2 ttl after the last write, so a
+# partition whose routers all died disappears even if nobody reads it again.
+LOAD_PUT: Final = """
+local t = redis.call('TIME')
+local ttl = tonumber(ARGV[2])
+local expiry = t[1] * 1000 + math.floor(t[2] / 1000) + ttl
+local written = 0
+for i = 3, #ARGV - 2, 3 do
+  local field = ARGV[i] .. '\\0' .. ARGV[1]
+  local n, q = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  if n == 0 and q == 0 then
+    redis.call('HDEL', KEYS[1], field)
+  else
+    redis.call('HSET', KEYS[1], field, struct.pack('<ddd', n, q, expiry))
+    written = written + 1
+  end
+end
+if written > 0 and redis.call('PTTL', KEYS[1]) < 2 * ttl then
+  redis.call('PEXPIRE', KEYS[1], 2 * ttl)
+end
+return written
+"""
+
+
+# load_snapshot(load hash, router id whose entries to skip): [replica, inflight, tokens, ...]
+# summed over the other routers' live entries.
+_LOAD_SNAPSHOT: Final = """
+local function load_snapshot(key, skip)
+  local t = redis.call('TIME')
+  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  local all = redis.call('HGETALL', key)
+  local sums, order, dead = {}, {}, {}
+  for i = 1, #all, 2 do
+    local field, value = all[i], all[i + 1]
+    local replica, router = string.match(field, '^(.*)%z(.-)$')
+    if replica == nil or #value ~= 24 then
+      dead[#dead + 1] = field
+    else
+      local n, q, expiry = struct.unpack('<ddd', value)
+      if expiry <= now then
+        dead[#dead + 1] = field
+      elseif router ~= skip then
+        local s = sums[replica]
+        if not s then
+          s = {0, 0}
+          sums[replica] = s
+          order[#order + 1] = replica
+        end
+        s[1] = s[1] + n
+        s[2] = s[2] + q
+      end
+    end
+  end
+  for i = 1, #dead, 1000 do
+    redis.call('HDEL', key, unpack(dead, i, math.min(i + 999, #dead)))
+  end
+  local out = {}
+  for _, replica in ipairs(order) do
+    out[#out + 1] = replica
+    out[#out + 1] = sums[replica][1]
+    out[#out + 1] = sums[replica][2]
+  end
+  return out
+end
+"""
+
+# KEYS: [load hash]; ARGV: [router id whose entries to skip].
+LOAD_SNAPSHOT: Final = _LOAD_SNAPSHOT + "return load_snapshot(KEYS[1], ARGV[1])\n"
+
+# KEYS: [rname hash, optionally the load hash]; ARGV: [key prefix with hash tag, n x 8-byte
+# block key, with the load hash: the router id whose entries to skip]
+# Returns {matches, stats, homes, load}: load_snapshot of the load hash when given (one round
+# trip for a router's whole view), else empty; matches a flat array [replica, matched blocks,
+# matched GPU blocks, predicted blocks, ...]; stats the partition's whole stats hash
+# (HGETALL), for every replica; homes [replica, depth in blocks, age ms, ...]: the home
+# records of the chain's anchors (tracker.keys.home_anchors), walked from the first while each
+# has one, every replica with the deepest anchor that names it.
 # Phase 1 walks real placements. Consecutive blocks held by the same replicas carry identical
 # values (Lua strings are interned, so comparing them is O(1)); such runs are counted without
 # re-parsing entries. Phase 2 starts where no replica still matching holds the next block and
@@ -171,6 +245,7 @@ assert 8 <= BLOCK_BUCKET_BITS <= 16, "bucket names split into a head and a one-b
 LOOKUP: Final = (
     _BUCKETS
     + _PREDICTIONS
+    + _LOAD_SNAPSHOT
     + f"local D = {_HEAD_DIVISOR}\n"
     + """
 local bprefix, pprefix, chain = ARGV[1] .. ':b:', ARGV[1] .. ':p:', ARGV[2]
@@ -287,7 +362,9 @@ if #horder > 0 then
     end
   end
 end
-if #order == 0 then return {{}, stats, named} end
+local load = {}
+if KEYS[2] then load = load_snapshot(KEYS[2], ARGV[3]) end
+if #order == 0 then return {{}, stats, named, load} end
 local names = redis.call('HMGET', KEYS[1], unpack(order))
 local out = {}
 for k, rid in ipairs(order) do
@@ -298,76 +375,110 @@ for k, rid in ipairs(order) do
     out[#out + 1] = runs[rid][3]
   end
 end
-return {out, stats, named}
+return {out, stats, named, load}
+"""
+)
+
+
+# The routers' two writes after routing a request, as Lua functions of one script each and of
+# ROUTE, which makes both in one call. ``rid`` has been checked against the replica's name.
+#
+# claim: records replica ``rid`` as the home of each anchor (8-byte block keys): rid (2 B),
+# the Redis time of the claim (6 B), its expiry (6 B); the bucket keys expire ttl after
+# their newest record. A bucket that keeps being written never expires, so each call also
+# drops the expired records of one of the buckets it writes (a different one each
+# millisecond): every bucket is swept about as often as it is written.
+# predict: records that replica ``rid`` will hold these blocks until now + ttl (dropping
+# expired entries and its own older entry on the way).
+_ROUTED: Final = (
+    _BUCKETS
+    + _PREDICTIONS
+    + """
+local function claim(hprefix, rid, ttl, anchors, clock)
+  local n = #anchors / 8
+  if n == 0 then return 0 end
+  local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock)
+    .. pack_expiry(clock + ttl)
+  local sweep = clock % n
+  for i = 0, n - 1 do
+    local f = string.sub(anchors, i * 8 + 1, i * 8 + 8)
+    local key = block_bucket(hprefix, f)
+    if i == sweep then
+      local all = redis.call('HGETALL', key)
+      for j = 1, #all, 2 do
+        local v = all[j + 1]
+        if #v < 14 or expiry_of(v, 7) <= clock then redis.call('HDEL', key, all[j]) end
+      end
+    end
+    redis.call('HSET', key, f, mine)
+    if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+  end
+  return n
+end
+local function predict(prefix, rid, ttl, chain, clock)
+  if #chain == 0 then return 0 end
+  local pprefix = prefix .. ':p:'
+  local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock + ttl)
+  for i = 1, #chain - 7, 8 do
+    local f = string.sub(chain, i, i + 7)
+    local key = block_bucket(pprefix, f)
+    local v = redis.call('HGET', key, f)
+    local out = {mine}
+    if v then
+      for j = 1, #v - 7, 8 do
+        local b1, b2 = string.byte(v, j, j + 1)
+        if b1 * 256 + b2 ~= rid and expiry_of(v, j) > clock then
+          out[#out + 1] = string.sub(v, j, j + 7)
+        end
+      end
+    end
+    redis.call('HSET', key, f, table.concat(out))
+    if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+  end
+  local plive = prefix .. ':plive'
+  if redis.call('PTTL', plive) < ttl then redis.call('SET', plive, '1', 'PX', ttl) end
+  return #chain / 8
+end
 """
 )
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, ttl ms, anchor block keys (8 bytes
-# each), replica name]. Records replica ``rid`` as the home of each anchor: rid (2 B), the
-# Redis time of the claim (6 B), its expiry (6 B); the bucket keys expire ttl after their
-# newest record. A bucket that keeps being written never expires, so each call also drops
-# the expired records of one of the buckets it writes (a different one each millisecond):
-# every bucket is swept about as often as it is written. Returns -1, writing nothing, when
-# the rid no longer belongs to that replica.
+# each), replica name]. Returns the anchors claimed, or -1, writing nothing, when the rid no
+# longer belongs to that replica.
 CLAIM: Final = (
-    _BUCKETS
-    + _PREDICTIONS
+    _ROUTED
     + """
-local hprefix, rid, ttl, anchors = ARGV[1] .. ':h:', tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local rid = tonumber(ARGV[2])
 if redis.call('HGET', KEYS[1], rid) ~= ARGV[5] then return -1 end
-local clock, n = now_ms(), #anchors / 8
-if n == 0 then return 0 end
-local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock)
-  .. pack_expiry(clock + ttl)
-local sweep = clock % n
-for i = 0, n - 1 do
-  local f = string.sub(anchors, i * 8 + 1, i * 8 + 8)
-  local key = block_bucket(hprefix, f)
-  if i == sweep then
-    local all = redis.call('HGETALL', key)
-    for j = 1, #all, 2 do
-      local v = all[j + 1]
-      if #v < 14 or expiry_of(v, 7) <= clock then redis.call('HDEL', key, all[j]) end
-    end
-  end
-  redis.call('HSET', key, f, mine)
-  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
-end
-return n
+return claim(ARGV[1] .. ':h:', rid, tonumber(ARGV[3]), ARGV[4], now_ms())
 """
 )
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, ttl ms, n x 8-byte block key,
-# replica name]. Records that replica ``rid`` will hold these blocks until now + ttl (dropping
-# expired entries and its own older entry on the way). Returns -1, writing nothing, when the
-# rid no longer belongs to that replica (Redis lost data, or the rid was released and reused).
+# replica name]. Returns the blocks predicted, or -1, writing nothing, when the rid no longer
+# belongs to that replica (Redis lost data, or the rid was released and reused).
 PREDICT: Final = (
-    _BUCKETS
-    + _PREDICTIONS
+    _ROUTED
     + """
-local pprefix, rid, ttl, chain = ARGV[1] .. ':p:', tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local rid = tonumber(ARGV[2])
 if redis.call('HGET', KEYS[1], rid) ~= ARGV[5] then return -1 end
+return predict(ARGV[1], rid, tonumber(ARGV[3]), ARGV[4], now_ms())
+"""
+)
+
+# KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, replica name, prediction ttl ms,
+# predicted block keys, home ttl ms, anchor block keys] (8 bytes per key). PREDICT and CLAIM
+# in one call: what a router writes after each request it routes. Returns 0, or -1, writing
+# nothing, when the rid no longer belongs to that replica.
+ROUTE: Final = (
+    _ROUTED
+    + """
+local rid = tonumber(ARGV[2])
+if redis.call('HGET', KEYS[1], rid) ~= ARGV[3] then return -1 end
 local clock = now_ms()
-local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock + ttl)
-for i = 1, #chain - 7, 8 do
-  local f = string.sub(chain, i, i + 7)
-  local key = block_bucket(pprefix, f)
-  local v = redis.call('HGET', key, f)
-  local out = {mine}
-  if v then
-    for j = 1, #v - 7, 8 do
-      local b1, b2 = string.byte(v, j, j + 1)
-      if b1 * 256 + b2 ~= rid and expiry_of(v, j) > clock then
-        out[#out + 1] = string.sub(v, j, j + 7)
-      end
-    end
-  end
-  redis.call('HSET', key, f, table.concat(out))
-  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
-end
-local plive = ARGV[1] .. ':plive'
-if redis.call('PTTL', plive) < ttl then redis.call('SET', plive, '1', 'PX', ttl) end
-return #chain / 8
+predict(ARGV[1], rid, tonumber(ARGV[4]), ARGV[5], clock)
+claim(ARGV[1] .. ':h:', rid, tonumber(ARGV[6]), ARGV[7], clock)
+return 0
 """
 )
 

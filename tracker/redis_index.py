@@ -81,6 +81,7 @@ class RedisIndex:
         self._lookup = client.register_script(lua.LOOKUP)
         self._predict = client.register_script(lua.PREDICT)
         self._claim = client.register_script(lua.CLAIM)
+        self._route = client.register_script(lua.ROUTE)
         self._rid_script = client.register_script(lua.RID)
         self._release_rid = client.register_script(lua.RELEASE_RID)
         self._heartbeat = client.register_script(lua.HEARTBEAT)
@@ -333,12 +334,16 @@ class RedisIndex:
     async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
         return (await self.survey(namespace, keys)).matches
 
-    async def survey(self, namespace: Namespace, keys: Sequence[int]) -> Survey:
+    async def survey(
+        self, namespace: Namespace, keys: Sequence[int], *, load_except: str | None = None
+    ) -> Survey:
         nk = self.keys_for(namespace)
         # an empty chain still walks nothing and answers the residency
-        found, stats, homes = await self._call(
-            "lookup", self._lookup(keys=[nk.rname], args=[nk.tag, _chain(keys)])
-        )
+        if load_except is None:
+            call = self._lookup(keys=[nk.rname], args=[nk.tag, _chain(keys)])
+        else:
+            call = self._lookup(keys=[nk.rname, nk.load], args=[nk.tag, _chain(keys), load_except])
+        found, stats, homes, others = await self._call("lookup", call)
         matches: dict[str, Match] = {}
         for i in range(0, len(found), 4):
             name = found[i].decode()
@@ -353,7 +358,13 @@ class RedisIndex:
             for i in range(0, len(homes) - 2, 3)
         }
         residency = {r: Residency(max(0, n), s) for r, (n, s) in counts.items()}
-        return Survey(matches, residency, claims)
+        load = None
+        if load_except is not None:
+            load = {
+                others[i].decode(): (int(others[i + 1]), int(others[i + 2]))
+                for i in range(0, len(others) - 2, 3)
+            }
+        return Survey(matches, residency, claims, load)
 
     async def claim(
         self, namespace: Namespace, replica: str, anchors: Sequence[int], ttl_s: float
@@ -374,6 +385,37 @@ class RedisIndex:
             if int(status) >= 0:
                 return
             self._rids.pop((replica, base), None)
+
+    async def route(
+        self,
+        namespace: Namespace,
+        replica: str,
+        keys: Sequence[int],
+        *,
+        ttl_s: float,
+        anchors: Sequence[int],
+        home_ttl_s: float,
+    ) -> None:
+        if not keys or not anchors:  # one of the two, or nothing, to write
+            await self.predict(namespace, replica, keys, ttl_s)
+            await self.claim(namespace, replica, anchors, home_ttl_s)
+            return
+        nk = self.keys_for(namespace)
+        base = namespace.base()
+        args: list[bytes | int] = [
+            max(1, int(ttl_s * 1000)),
+            _chain(keys),
+            max(1, int(home_ttl_s * 1000)),
+            _chain(anchors),
+        ]
+        for _ in range(2):
+            rid = await self.rid(replica, base)
+            status = await self._call(
+                "route", self._route(keys=[nk.rname], args=[nk.tag, rid, replica, *args])
+            )
+            if int(status) >= 0:
+                return
+            self._rids.pop((replica, base), None)  # a stale rid: as in predict
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float

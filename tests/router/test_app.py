@@ -124,8 +124,22 @@ async def test_client_disconnect_aborts_the_engine_request() -> None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await wait_until(lambda: fleet.running() == 0, within=3)
+            # and a stream whose first chunk has not come yet (a long prefill)
+            long = chat("x" * 30_000, "go", stream=True, max_tokens=2000)
+
+            async def first_chunk() -> None:
+                async with client.stream("POST", "/v1/chat/completions", json=long) as answer:
+                    async for _ in answer.aiter_bytes():
+                        break
+
+            task = asyncio.create_task(first_chunk())
+            await wait_until(lambda: fleet.running() == 1, within=3)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await wait_until(lambda: fleet.running() == 0, within=3)
             page = (await client.get("/metrics")).text
-            assert metric(page, "kvrouter_router_client_disconnects_total") == 2
+            assert metric(page, "kvrouter_router_client_disconnects_total") == 3
+            assert metric(page, "kvrouter_router_ttft_seconds_count") == 1  # the first stream's
             replicas = (await client.get("/replicas")).json()["replicas"]
             assert replicas[0]["inflight"] == 0
 

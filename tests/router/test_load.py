@@ -14,6 +14,7 @@ from tests.procs import free_port
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
 from tracker.keys import NamespaceKeys
+from tracker.redis_index import RedisIndex
 
 NS = Namespace("llama", 16)
 OTHER = Namespace("qwen", 16)
@@ -233,3 +234,22 @@ async def test_bad_arguments() -> None:
             RedisLoadBoard(client, "a\x00b")
         with pytest.raises(ValueError):
             RedisLoadBoard(client, "a", lease_ttl_s=1.0, renew_interval_s=1.0)
+
+
+@pytest.mark.redis
+async def test_an_index_survey_reads_the_other_routers_load_in_its_lookup(boards: Factory) -> None:
+    """A router's whole view in one script call: the lookup and the load snapshot."""
+    a, b = await boards(), await boards()
+    index = RedisIndex(b.client)
+    a.acquire(NS, "r1", 2048)
+    b.acquire(NS, "r2", 10)
+
+    async def pushed() -> bool:
+        return (await b.snapshot(NS)).get("r1") == Load(1, 2048)
+
+    await _until(pushed)
+    survey = await index.survey(NS, [1, 2, 3], load_except=b.router_id)
+    assert survey.load == {"r1": (1, 2048)}  # b's own entry skipped: it knows its own exactly
+    assert b.merge(NS, survey.load) == await b.snapshot(NS)
+    assert (await index.survey(NS, [1, 2, 3], load_except=a.router_id)).load == {"r2": (1, 10)}
+    assert (await index.survey(NS, [1, 2, 3])).load is None

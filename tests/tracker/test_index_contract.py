@@ -410,6 +410,30 @@ async def test_homes_name_the_last_replica_each_anchor_was_routed_to(index: Bloc
     assert {r: h.blocks for r, h in survey.homes.items()} == {"b": 4}
 
 
+async def test_a_route_predicts_the_chain_and_claims_its_anchors_at_once(
+    index: BlockIndex,
+) -> None:
+    """What a router writes after each request: both records, each with its own expiry."""
+    keys = block_keys(SEQ, NS)
+    anchors = [keys[p] for p in home_anchors(len(keys))]
+    await index.route(NS, "a", keys[1:], ttl_s=0.3, anchors=anchors, home_ttl_s=5)
+    await put(index, "a", store(SEQ, range(1)))  # the engine's word on the first block
+    survey = await index.survey(NS, keys)
+    assert {r: (m.blocks, m.predicted_blocks) for r, m in survey.matches.items()} == {"a": (4, 3)}
+    assert {r: h.blocks for r, h in survey.homes.items()} == {"a": 4}
+    await asyncio.sleep(0.5)  # the predictions expire, the home stays
+    survey = await index.survey(NS, keys)
+    assert {r: (m.blocks, m.predicted_blocks) for r, m in survey.matches.items()} == {"a": (1, 0)}
+    assert {r: h.blocks for r, h in survey.homes.items()} == {"a": 4}
+    # either part alone
+    await index.route(NS, "b", [], ttl_s=5, anchors=anchors, home_ttl_s=5)
+    await index.route(NS, "c", block_keys(OTHER, NS), ttl_s=5, anchors=[], home_ttl_s=5)
+    survey = await index.survey(NS, keys)
+    assert {r: h.blocks for r, h in survey.homes.items()} == {"b": 4}
+    assert await predicted(index, OTHER) == {"c": (4, 4, 4)}
+    assert (await index.survey(NS, block_keys(OTHER, NS))).homes == {}
+
+
 async def test_an_expired_home_is_not_reported_while_its_bucket_lives_on(
     index: BlockIndex,
 ) -> None:

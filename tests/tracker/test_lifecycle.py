@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib.util
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from tests.router.harness import router_settings
 from tracker.config import TrackerSettings
 from tracker.errors import ConfigError
 from tracker.index import MemoryIndex
-from tracker.lifecycle import loop_factory, run_on_loop, running_loop_name
+from tracker.lifecycle import cancel_and_wait, loop_factory, run_on_loop, running_loop_name
 from tracker.service import TrackerService
 
 
@@ -81,3 +82,51 @@ async def test_a_tracker_that_owns_its_process_freezes_its_start_up_heap() -> No
             assert (gc.get_freeze_count() > 0) is freeze
         finally:
             await service.stop()
+
+
+async def test_cancel_and_wait_ends_a_task_that_swallowed_its_cancellation() -> None:
+    """A library that catches CancelledError (and returns) leaves a loop running after one
+    cancel: it is cancelled again until it ends."""
+    rounds = 0
+
+    async def stubborn() -> None:
+        nonlocal rounds
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                rounds += 1
+                if rounds == 1:
+                    continue  # swallowed, as the library did
+                raise
+
+    task = asyncio.get_running_loop().create_task(stubborn())
+    await asyncio.sleep(0)
+    quiet = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    finished = asyncio.get_running_loop().create_task(asyncio.sleep(0))
+    await finished
+    await cancel_and_wait([task, quiet, finished], grace_s=0.05)
+    assert task.cancelled() and quiet.cancelled() and rounds == 2
+
+
+async def test_cancel_and_wait_gives_up_on_a_task_that_never_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    alive = True
+
+    async def immortal() -> None:
+        while alive:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    task = asyncio.get_running_loop().create_task(immortal(), name="immortal")
+    await asyncio.sleep(0)
+    try:
+        await cancel_and_wait([task], grace_s=0.01)
+        assert not task.done()
+        [record] = [r for r in caplog.records if "ignored cancellation" in r.getMessage()]
+        assert record.tasks == "immortal"  # type: ignore[attr-defined]
+    finally:
+        alive = False
+        task.cancel()
+        await asyncio.wait([task])

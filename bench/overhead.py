@@ -1,0 +1,200 @@
+"""What each router adds to a lone request: kvrouter and the real peers against the engine itself.
+
+Starts two simulated engines (``--time-scale`` 0.001 by default: a 5k-token hit takes a few
+milliseconds, so the routers' own time stands out), Redis, the tracker and one kvrouter router,
+plus one instance of each peer named (:mod:`bench.peers`) in front of the same engines. Every
+group's system prompt is first cached on both engines, so whichever engine a router picks,
+the request hits and costs the engine the same. Then, round after round, the same kind of
+request (a group's ~4,800-token system prompt and a new 150-character question, streamed
+answers of ``--output-tokens``, 64 by default) goes one at a time straight to an engine and
+through each router, in a shuffled order; the time to the first content chunk is taken at
+the client. Reported per target: its TTFT, what it adds over the direct request of the same
+round (paired difference; p50 and p90), in real milliseconds, and the router process's CPU
+time per request (every thread, background work included; from /proc).
+
+    python -m bench.overhead [--rounds 300] [--peers smg,vllm-kv,vllm-cache] [--json FILE]
+
+The machine's cores are shared by every process, so absolute numbers vary with the host;
+compare targets within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+
+from bench.peers import PEERS, Worker, executable, missing
+from bench.proxy_load import cpu_seconds
+from bench.stack import LocalStack, StackConfig, port_block
+from bench.workloads import text
+
+PATH: Final = "/v1/chat/completions"
+DIRECT: Final = "direct"
+
+
+async def ttft_ms(
+    client: aiohttp.ClientSession, url: str, system: str, question: str, output_tokens: int = 64
+) -> float:
+    """Send one streamed chat request; the milliseconds to its first content chunk."""
+    body = {
+        "model": "default",
+        "max_tokens": output_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+    }
+    sent = time.perf_counter()
+    first: float | None = None
+    async with client.post(url + PATH, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {await response.text()}")
+        async for chunk in response.content.iter_any():
+            if first is None and b'"choices":[{' in chunk:
+                first = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"{url}: the stream had no content chunk")
+    return (first - sent) * 1000
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def measure(
+    targets: dict[str, str],
+    engines: Sequence[str],
+    *,
+    rounds: int,
+    groups: int,
+    seed: int,
+    pids: dict[str, int | None] | None = None,
+    output_tokens: int = 64,
+) -> dict[str, dict[str, float]]:
+    rng = random.Random(seed)
+    systems = [text(rng, 4_800) for _ in range(groups)]
+    times: dict[str, list[float]] = {name: [] for name in (DIRECT, *targets)}
+    added: dict[str, list[float]] = {name: [] for name in targets}
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
+    async with aiohttp.ClientSession(connector=connector) as client:
+        for system in systems:  # every prefix on every engine: every request below hits
+            for engine in engines:
+                await ttft_ms(client, engine, system, text(rng, 150))
+        for url in targets.values():  # connections opened, tokenizer caches warm
+            for system in systems:
+                await ttft_ms(client, url, system, text(rng, 150))
+        pids = {name: pid for name, pid in (pids or {}).items() if pid is not None}
+        cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        for i in range(rounds):
+            system = systems[i % groups]
+            order = [DIRECT, *targets]
+            rng.shuffle(order)
+            took: dict[str, float] = {}
+            for name in order:
+                url = engines[i % len(engines)] if name == DIRECT else targets[name]
+                took[name] = await ttft_ms(client, url, system, text(rng, 150), output_tokens)
+                times[name].append(took[name])
+            for name in targets:
+                added[name].append(took[name] - took[DIRECT])
+        cpu = {name: cpu_seconds(pid) - cpu[name] for name, pid in pids.items()}
+    report: dict[str, dict[str, float]] = {}
+    for name, values in times.items():
+        row = {"ttft_p50_ms": statistics.median(values), "ttft_p90_ms": quantile(values, 0.9)}
+        if name in added:
+            row["added_p50_ms"] = statistics.median(added[name])
+            row["added_p90_ms"] = quantile(added[name], 0.9)
+        if name in cpu:
+            row["cpu_ms_per_request"] = cpu[name] * 1000 / rounds
+        report[name] = row
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__)
+    parser.add_argument("--rounds", type=int, default=300, help="requests per target")
+    parser.add_argument("--groups", type=int, default=10, help="system prompts")
+    parser.add_argument("--output-tokens", type=int, default=64, help="tokens per answer")
+    parser.add_argument("--time-scale", type=float, default=0.001, help="engines' time scale")
+    parser.add_argument("--peers", default="smg,vllm-kv,vllm-cache", help="peer arms ('' for none)")
+    parser.add_argument("--router-args", default="", help="extra kvrouter router flags")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="write the report here too")
+    args = parser.parse_args(argv)
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        parser.error(f"unknown peers: {', '.join(unknown)} (known: {', '.join(PEERS)})")
+    absent = missing(peers)
+    for name, package in absent.items():
+        print(f"{name}: skipped, {package} is not installed", file=sys.stderr)
+    peers = [p for p in peers if p not in absent]
+    config = StackConfig(
+        replicas=2,
+        routers=1,
+        haproxy=False,
+        time_scale=args.time_scale,
+        router_args=tuple(args.router_args.split()),
+        replica_args=("--replay-layout", "topic"),
+    )
+    with LocalStack(config).start() as stack:
+        targets = {"kvrouter": stack.router_urls[0]}
+        workers = [Worker(url, events, replay) for url, events, replay in stack.endpoints()]
+        base = port_block(2 * len(peers)) if peers else 0
+        for i, name in enumerate(peers):
+            arm = PEERS[name]
+            port = base + 2 * i
+            binary = executable(arm.binary)
+            assert binary is not None
+            argv_ = arm.argv(
+                binary,
+                port=port,
+                metrics_port=port + 1,
+                workers=workers,
+                block_size=config.block_size,
+                model=config.model,
+            )
+            stack.spawn(name, argv_, f"http://127.0.0.1:{port}{arm.ready_path}")
+            targets[name] = f"http://127.0.0.1:{port}"
+        pids = {name: stack.pid(name) for name in peers}
+        pids["kvrouter"] = stack.pid("router-0")
+        report = asyncio.run(
+            measure(
+                targets,
+                stack.replica_urls,
+                rounds=args.rounds,
+                groups=args.groups,
+                seed=args.seed,
+                pids=pids,
+                output_tokens=args.output_tokens,
+            )
+        )
+    print(
+        f"{'target':<12} {'TTFT p50':>9} {'p90':>7} {'added p50':>10} {'p90':>7} "
+        f"{'CPU/request':>12}  (real ms)"
+    )
+    for name, row in report.items():
+        extra = (
+            f"{row['added_p50_ms']:>+10.2f} {row['added_p90_ms']:>+7.2f}"
+            if "added_p50_ms" in row
+            else f"{'':>10} {'':>7}"
+        )
+        cpu = f"{row['cpu_ms_per_request']:>12.2f}" if "cpu_ms_per_request" in row else ""
+        print(f"{name:<12} {row['ttft_p50_ms']:>9.2f} {row['ttft_p90_ms']:>7.2f} {extra} {cpu}")
+    if args.json:
+        meta: dict[str, Any] = {"rounds": args.rounds, "time_scale": args.time_scale}
+        args.json.write_text(json.dumps({**meta, "targets": report}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
