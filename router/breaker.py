@@ -150,7 +150,9 @@ class GuardedIndex:
             async with asyncio.timeout(self.budget_s + self.per_block_s * len(keys)):
                 if self._board is not None:
                     board = self._board
-                    survey = await self.index.survey(namespace, keys, load_except=board.router_id)
+                    survey = await self.index.survey(
+                        namespace, keys, load_except=board.router_id, load_ttl_s=board.lease_ttl_s
+                    )
                     loads = board.merge(namespace, survey.load or {})
                 else:
                     survey, loads = await asyncio.gather(

@@ -67,7 +67,8 @@ class Survey(msgspec.Struct, frozen=True):
     homes: dict[str, Home] = msgspec.field(default_factory=dict)
     load: dict[str, tuple[int, int]] | None = None
     """Per replica, the other routers' requests in flight and queued prefill tokens, when
-    asked for (``load_except``) and the index holds the routers' shared load (Redis)."""
+    asked for (``load_except``) and the index holds the routers' shared load (Redis); key
+    "" (zeros) when another router is present, whether or not it has load."""
 
 
 class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,11 +119,17 @@ class BlockIndex(Protocol):
         """Per replica, the longest contiguous prefix of ``keys`` it holds (absent if none)."""
 
     async def survey(
-        self, namespace: Namespace, keys: Sequence[int], *, load_except: str | None = None
+        self,
+        namespace: Namespace,
+        keys: Sequence[int],
+        *,
+        load_except: str | None = None,
+        load_ttl_s: float = 5.0,
     ) -> Survey:
         """:meth:`lookup` and every replica's :class:`Residency`, in one round trip; with
         ``load_except`` (a router's id), the other routers' shared load too where the index
-        holds it (:attr:`Survey.load`; None where it does not)."""
+        holds it (:attr:`Survey.load`; None where it does not), and that router's presence,
+        kept ``load_ttl_s`` (:mod:`router.load`)."""
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
@@ -337,7 +344,12 @@ class MemoryIndex:
         return walk(keys, self._blocks.get(namespace.base(), {}), predicted_of)
 
     async def survey(
-        self, namespace: Namespace, keys: Sequence[int], *, load_except: str | None = None
+        self,
+        namespace: Namespace,
+        keys: Sequence[int],
+        *,
+        load_except: str | None = None,
+        load_ttl_s: float = 5.0,
     ) -> Survey:
         counts = self._residency.get(namespace.base(), {})
         residency = {r: Residency(n, s) for r, (n, s) in counts.items()}

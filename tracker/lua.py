@@ -180,12 +180,16 @@ return written
 """
 
 
-# load_snapshot(load hash, router id whose entries to skip): [replica, inflight, tokens, ...]
-# summed over the other routers' live entries.
+# load_snapshot(load hash, router id whose entries to skip, ttl ms): [replica, inflight,
+# tokens, ...] summed over the other routers' live entries. The reader's presence is written
+# too (field ``NUL router``, zero totals, expiring after ttl): another router's comes back as
+# replica "" with zeros, so a router learns that it is not alone even before the others route.
 _LOAD_SNAPSHOT: Final = """
-local function load_snapshot(key, skip)
+local function load_snapshot(key, skip, ttl)
   local t = redis.call('TIME')
   local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  redis.call('HSET', key, '\\0' .. skip, struct.pack('<ddd', 0, 0, now + ttl))
+  if redis.call('PTTL', key) < 2 * ttl then redis.call('PEXPIRE', key, 2 * ttl) end
   local all = redis.call('HGETALL', key)
   local sums, order, dead = {}, {}, {}
   for i = 1, #all, 2 do
@@ -222,11 +226,13 @@ local function load_snapshot(key, skip)
 end
 """
 
-# KEYS: [load hash]; ARGV: [router id whose entries to skip].
-LOAD_SNAPSHOT: Final = _LOAD_SNAPSHOT + "return load_snapshot(KEYS[1], ARGV[1])\n"
+# KEYS: [load hash]; ARGV: [router id whose entries to skip, its presence's ttl ms].
+LOAD_SNAPSHOT: Final = (
+    _LOAD_SNAPSHOT + "return load_snapshot(KEYS[1], ARGV[1], tonumber(ARGV[2]))\n"
+)
 
 # KEYS: [rname hash, optionally the load hash]; ARGV: [key prefix with hash tag, n x 8-byte
-# block key, with the load hash: the router id whose entries to skip]
+# block key, with the load hash: the router id whose entries to skip, its presence's ttl ms]
 # Returns {matches, stats, homes, load}: load_snapshot of the load hash when given (one round
 # trip for a router's whole view), else empty; matches a flat array [replica, matched blocks,
 # matched GPU blocks, predicted blocks, ...]; stats the partition's whole stats hash
@@ -363,7 +369,7 @@ if #horder > 0 then
   end
 end
 local load = {}
-if KEYS[2] then load = load_snapshot(KEYS[2], ARGV[3]) end
+if KEYS[2] then load = load_snapshot(KEYS[2], ARGV[3], tonumber(ARGV[4])) end
 if #order == 0 then return {{}, stats, named, load} end
 local names = redis.call('HMGET', KEYS[1], unpack(order))
 local out = {}

@@ -335,14 +335,21 @@ class RedisIndex:
         return (await self.survey(namespace, keys)).matches
 
     async def survey(
-        self, namespace: Namespace, keys: Sequence[int], *, load_except: str | None = None
+        self,
+        namespace: Namespace,
+        keys: Sequence[int],
+        *,
+        load_except: str | None = None,
+        load_ttl_s: float = 5.0,
     ) -> Survey:
         nk = self.keys_for(namespace)
         # an empty chain still walks nothing and answers the residency
         if load_except is None:
             call = self._lookup(keys=[nk.rname], args=[nk.tag, _chain(keys)])
         else:
-            call = self._lookup(keys=[nk.rname, nk.load], args=[nk.tag, _chain(keys), load_except])
+            ttl_ms = max(1, round(load_ttl_s * 1000))
+            args: list[str | bytes | int] = [nk.tag, _chain(keys), load_except, ttl_ms]
+            call = self._lookup(keys=[nk.rname, nk.load], args=args)
         found, stats, homes, others = await self._call("lookup", call)
         matches: dict[str, Match] = {}
         for i in range(0, len(found), 4):

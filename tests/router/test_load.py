@@ -151,7 +151,9 @@ async def test_partitions_are_separate_and_stored_under_the_schema_key(
     async with redis.Redis.from_url(redis_url) as client:
         key = NamespaceKeys(NS).load
         assert await client.type(key) == b"hash"
-        assert await client.hlen(key) == 1
+        # a's entry, and b's presence (it read the partition)
+        fields = set(await client.hkeys(key))
+        assert fields == {f"r1\x00{a.router_id}".encode(), f"\x00{b.router_id}".encode()}
         assert 0 < await client.pttl(key) <= 2 * 5000
 
 
@@ -176,7 +178,8 @@ async def test_a_dead_router_leaks_nothing(boards: Factory, redis_url: str) -> N
     assert 0.05 < waited < 0.5
     assert await b.snapshot(NS) == {"r2": Load(1, 10)}
     async with redis.Redis.from_url(redis_url) as client:
-        assert await client.hlen(NamespaceKeys(NS).load) == 1  # the dead entry was pruned
+        fields = await client.hkeys(NamespaceKeys(NS).load)
+        assert not [f for f in fields if a.router_id.encode() in f]  # the dead entry was pruned
 
 
 @pytest.mark.redis
@@ -251,5 +254,49 @@ async def test_an_index_survey_reads_the_other_routers_load_in_its_lookup(boards
     survey = await index.survey(NS, [1, 2, 3], load_except=b.router_id)
     assert survey.load == {"r1": (1, 2048)}  # b's own entry skipped: it knows its own exactly
     assert b.merge(NS, survey.load) == await b.snapshot(NS)
-    assert (await index.survey(NS, [1, 2, 3], load_except=a.router_id)).load == {"r2": (1, 10)}
+    # b is there (its entry, and its presence from its reads: replica "")
+    survey = await index.survey(NS, [1, 2, 3], load_except=a.router_id)
+    assert survey.load == {"r2": (1, 10), "": (0, 0)}
     assert (await index.survey(NS, [1, 2, 3])).load is None
+
+
+@pytest.mark.redis
+async def test_a_router_alone_writes_its_changes_with_the_renewal(
+    boards: Factory, redis_url: str
+) -> None:
+    """Nobody reads a lone router's load: it saves the writes until another router shows."""
+    a = await boards(ttl=0.6, renew=0.5)
+    key = NamespaceKeys(NS).load
+    async with redis.Redis.from_url(redis_url) as client:
+
+        def written(replica: str) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
+                return bool(await client.hexists(key, f"{replica}\x00{a.router_id}"))
+
+            return check
+
+        assert await a.snapshot(NS) == {}  # nobody else, but a has just started: not alone
+        a.acquire(NS, "r1", 1)
+        assert await _until(written("r1")) < 0.1  # pushed at once
+        await asyncio.sleep(0.7)  # a lease without any other router
+        assert await a.snapshot(NS) == {"r1": Load(1, 1)}  # alone now
+        pushes = a.stats.pushes
+
+        async def renewed() -> bool:
+            return a.stats.pushes > pushes
+
+        await _until(renewed, within=1.0)  # the next renewal is half a second away
+        lease = a.acquire(NS, "r2", 500)
+        await asyncio.sleep(0.1)
+        assert not await written("r2")()  # a pushed nothing at once
+        await _until(written("r2"), within=1.0)  # the renewal did
+        # another router reads the partition: its presence is seen by a's next read
+        b = await boards()
+        assert (await b.snapshot(NS))["r2"] == Load(1, 500)
+        await a.snapshot(NS)
+        lease.first_token()
+
+        async def seen() -> bool:
+            return (await b.snapshot(NS)).get("r2") == Load(1, 0)
+
+        assert await _until(seen) < 0.1  # pushed at once again, not at the next renewal
