@@ -51,6 +51,7 @@ from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
 from tracker.keys import NamespaceKeys
 from tracker.lifecycle import cancel_and_wait
+from tracker.redis_index import load_sums
 
 logger = logging.getLogger(__name__)
 
@@ -418,15 +419,7 @@ class RedisLoadBoard(_Totals):
         except (RedisError, OSError) as exc:
             self.stats.snapshot_errors += 1
             raise IndexUnavailableError(f"redis load snapshot failed: {exc}") from exc
-        others = {
-            (raw.decode() if isinstance(raw, bytes) else str(raw)): (
-                int(reply[i + 1]),
-                int(reply[i + 2]),
-            )
-            for i in range(0, len(reply) - 2, 3)
-            if (raw := reply[i]) is not None
-        }
-        return self.merge(base, others)
+        return self.merge(base, load_sums(reply))
 
     @property
     def ttl_ms(self) -> int:

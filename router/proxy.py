@@ -119,10 +119,8 @@ class ClientWatch:
 
     def close(self) -> None:
         """The answer is sent (or failed): stop watching; idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._watcher.cancel()
-        elif not self._watcher.done():
+        self._closed = True
+        if not self._watcher.done():
             self._watcher.cancel()
 
 

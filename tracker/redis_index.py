@@ -17,7 +17,7 @@ import asyncio
 import logging
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -43,6 +43,24 @@ _TIERS: Final = [bytes((t,)) for t in range(4)]
 _DELETE: Final = b"\x00" * 13
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _record_decoder = msgspec.json.Decoder(ReplicaRecord)
+
+
+def _ms(seconds: float) -> int:
+    """A script's ttl argument: whole milliseconds, at least one."""
+    return max(1, int(seconds * 1000))
+
+
+def load_sums(reply: Sequence[Any]) -> dict[str, tuple[int, int]]:
+    """A load snapshot's reply (``tracker.lua`` ``load_snapshot``: replica, in flight, queued
+    tokens, ...) per replica; replica "" is another router's presence."""
+    return {
+        (raw.decode() if isinstance(raw, bytes) else str(raw)): (
+            int(reply[i + 1]),
+            int(reply[i + 2]),
+        )
+        for i in range(0, len(reply) - 2, 3)
+        if (raw := reply[i]) is not None
+    }
 
 
 def _chain(keys: Sequence[int]) -> bytes:
@@ -347,7 +365,7 @@ class RedisIndex:
         if load_except is None:
             call = self._lookup(keys=[nk.rname], args=[nk.tag, _chain(keys)])
         else:
-            ttl_ms = max(1, round(load_ttl_s * 1000))
+            ttl_ms = max(1, round(load_ttl_s * 1000))  # as the load board rounds its own
             args: list[str | bytes | int] = [nk.tag, _chain(keys), load_except, ttl_ms]
             call = self._lookup(keys=[nk.rname, nk.load], args=args)
         found, stats, homes, others = await self._call("lookup", call)
@@ -365,12 +383,7 @@ class RedisIndex:
             for i in range(0, len(homes) - 2, 3)
         }
         residency = {r: Residency(max(0, n), s) for r, (n, s) in counts.items()}
-        load = None
-        if load_except is not None:
-            load = {
-                others[i].decode(): (int(others[i + 1]), int(others[i + 2]))
-                for i in range(0, len(others) - 2, 3)
-            }
+        load = load_sums(others) if load_except is not None else None
         return Survey(matches, residency, claims, load)
 
     async def claim(
@@ -378,20 +391,15 @@ class RedisIndex:
     ) -> None:
         if not anchors:
             return
-        nk = self.keys_for(namespace)
-        base = namespace.base()
-        for _ in range(2):
-            rid = await self.rid(replica, base)
-            status = await self._call(
-                "claim",
-                self._claim(
-                    keys=[nk.rname],
-                    args=[nk.tag, rid, max(1, int(ttl_s * 1000)), _chain(anchors), replica],
-                ),
-            )
-            if int(status) >= 0:
-                return
-            self._rids.pop((replica, base), None)
+        tag = self.keys_for(namespace).tag
+        await self._as_replica(
+            "claim",
+            namespace,
+            replica,
+            lambda rid, rname: self._claim(
+                keys=rname, args=[tag, rid, _ms(ttl_s), _chain(anchors), replica]
+            ),
+        )
 
     async def route(
         self,
@@ -407,42 +415,47 @@ class RedisIndex:
             await self.predict(namespace, replica, keys, ttl_s)
             await self.claim(namespace, replica, anchors, home_ttl_s)
             return
-        nk = self.keys_for(namespace)
-        base = namespace.base()
-        args: list[bytes | int] = [
-            max(1, int(ttl_s * 1000)),
-            _chain(keys),
-            max(1, int(home_ttl_s * 1000)),
-            _chain(anchors),
-        ]
-        for _ in range(2):
-            rid = await self.rid(replica, base)
-            status = await self._call(
-                "route", self._route(keys=[nk.rname], args=[nk.tag, rid, replica, *args])
-            )
-            if int(status) >= 0:
-                return
-            self._rids.pop((replica, base), None)  # a stale rid: as in predict
+        tag = self.keys_for(namespace).tag
+        args: list[bytes | int] = [_ms(ttl_s), _chain(keys), _ms(home_ttl_s), _chain(anchors)]
+        await self._as_replica(
+            "route",
+            namespace,
+            replica,
+            lambda rid, rname: self._route(keys=rname, args=[tag, rid, replica, *args]),
+        )
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
     ) -> None:
         if not keys:
             return
-        nk = self.keys_for(namespace)
+        tag = self.keys_for(namespace).tag
+        await self._as_replica(
+            "predict",
+            namespace,
+            replica,
+            lambda rid, rname: self._predict(
+                keys=rname, args=[tag, rid, _ms(ttl_s), _chain(keys), replica]
+            ),
+        )
+
+    async def _as_replica(
+        self,
+        what: str,
+        namespace: Namespace,
+        replica: str,
+        script: Callable[[int, list[str]], Awaitable[Any]],
+    ) -> None:
+        """Run a router's write ``script(rid, [rname hash])`` under the replica's rid; the
+        script answers -1, writing nothing, when the rid no longer names that replica (Redis
+        lost data, or the rid was released and reused): then allocate (or look up) the
+        current one and try once more."""
         base = namespace.base()
+        rname = [self.keys_for(namespace).rname]
         for _ in range(2):
             rid = await self.rid(replica, base)
-            status = await self._call(
-                "predict",
-                self._predict(
-                    keys=[nk.rname],
-                    args=[nk.tag, rid, max(1, int(ttl_s * 1000)), _chain(keys), replica],
-                ),
-            )
-            if int(status) >= 0:
+            if int(await self._call(what, script(rid, rname))) >= 0:
                 return
-            # Our cached rid is stale: forget it and allocate (or look up) the current one.
             self._rids.pop((replica, base), None)
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
