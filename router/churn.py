@@ -9,7 +9,10 @@ cannot: it includes traffic from other routers and from clients that bypass ever
 :class:`ChurnBook` turns the counts seen at lookups into a rate per replica (blocks per
 second, smoothed exponentially over ``half_life_s``) and compares replicas: ``relative``
 is a replica's rate over the mean of the candidates', 1 when they are alike or nothing is
-known yet.
+known yet. A rate is known once the counts span ``settle_s`` (one half-life by default):
+before that it is one or two samples of a bursty count, and a router that had just started
+weighed the recompute at a group's home up to twice as much as a copy elsewhere because
+the home had stored that group's prefix a second ago (tests/test_topology.py).
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ _MIN_RATE: Final = 1e-9
 
 
 class _Rate:
-    __slots__ = ("at", "rate", "stored")
+    __slots__ = ("at", "rate", "since", "stored")
 
     def __init__(self, at: float, stored: int) -> None:
-        self.at = at
+        self.since = self.at = at
         self.stored = stored
         self.rate: float | None = None
 
@@ -37,6 +40,7 @@ class ChurnBook:
 
     :param half_life_s: older rates weigh half as much every this many seconds.
     :param min_interval_s: counts closer together than this are not differenced (noise).
+    :param settle_s: a rate is known once its counts span this long (default: a half-life).
     """
 
     def __init__(
@@ -44,12 +48,14 @@ class ChurnBook:
         *,
         half_life_s: float = 10.0,
         min_interval_s: float = 1.0,
+        settle_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if half_life_s <= 0 or min_interval_s <= 0:
             raise ValueError("half_life_s and min_interval_s must be > 0")
         self.half_life_s = half_life_s
         self.min_interval_s = min_interval_s
+        self.settle_s = half_life_s if settle_s is None else settle_s
         self.clock = clock
         self._rates: dict[str, _Rate] = {}
 
@@ -68,6 +74,7 @@ class ChurnBook:
             entry.at, entry.stored = now, counts.stored
             if grown < 0:  # the index was rebuilt: start over
                 entry.rate = None
+                entry.since = now
                 continue
             current = grown / elapsed
             if entry.rate is None:
@@ -77,9 +84,12 @@ class ChurnBook:
                 entry.rate = keep * entry.rate + (1.0 - keep) * current
 
     def rate(self, replica: str) -> float | None:
-        """Blocks per second the replica's cache stores (None until two counts were seen)."""
+        """Blocks per second the replica's cache stores (None until its counts span
+        ``settle_s``)."""
         entry = self._rates.get(replica)
-        return None if entry is None else entry.rate
+        if entry is None or entry.at - entry.since < self.settle_s:
+            return None
+        return entry.rate
 
     def relative(self, replicas: Iterable[str]) -> dict[str, float | None]:
         """Each replica's rate over the mean of those known; None where unknown."""

@@ -132,8 +132,8 @@ class RouterSettings(ServiceSettings):
     reuse_window_s: float = setting(
         30.0,
         "a replica's cached prefix counts as worth keeping (evicting it costs) while routed "
-        "requests reused it within this window; the rest of its cache is free to evict "
-        "(0: every cached block counts)",
+        "requests were sent there with it within this window; the rest of its cache is free "
+        "to evict (0: every cached block counts)",
     )
     recent_load_half_life_s: float = setting(
         1.0,

@@ -253,9 +253,8 @@ class Placer:
             if self.occupancy is not None:  # the request joins the chosen replica's count
                 state = next(s for s in states if s.id == decision.replica)
                 self.occupancy.observe(state.id, state.inflight + 1)
-            if self.reuse is not None and keys:
-                chosen = decision.chosen
-                self.reuse.record(chosen.replica, keys[0], chosen.matched_tokens // block_size)
+            if self.reuse is not None and keys:  # the replica holds the whole chain after it
+                self.reuse.record(decision.replica, keys[0], len(keys))
             if self.journal is not None:
                 self.journal.record(
                     model=model,
@@ -310,7 +309,11 @@ class Placer:
                     resident_blocks=resident.blocks if resident is not None else None,
                     churn=churn[replica.id],
                     home_blocks=self._home(view.homes.get(replica.id)),
-                    valued_blocks=self.reuse.valued(replica.id) if self.reuse else None,
+                    valued_blocks=(
+                        self.reuse.valued(replica.id, resident.blocks if resident else None)
+                        if self.reuse
+                        else None
+                    ),
                     recent_inflight=(
                         self.occupancy.observe(replica.id, inflight) if self.occupancy else 0.0
                     ),

@@ -1,4 +1,4 @@
-"""Which of each replica's cached blocks routed requests reuse: what an eviction there costs.
+"""Which of each replica's cached blocks routed requests keep using: what evicting them costs.
 
 The index counts every block a replica's cache holds (:class:`tracker.index.Residency`), and
 once an engine has run for a while its cache is always full: vLLM keeps a finished request's
@@ -9,17 +9,23 @@ Counting them as cache that a new prefix would push out made every replica look 
 every miss as an eviction, and kept prefix groups queued at a replica whose KV memory was
 taken while another one had room to spare (docs/architecture.md, "Score").
 
-:class:`ReuseBook` keeps, per replica, the prefixes this router saw reused there within the
-last ``window_s`` seconds — the first block key of the prompt's chain and the deepest cached
-run a request routed there matched — and sums their depths: the blocks an eviction would
-cost. Each router sees only its own requests, which is enough: behind an L4 balancer every
-router sees the same mix of prefixes. It is soft state, like the speed estimates: a router
-that has not watched for a whole window yet answers None (every resident block counts, as
-the index says), so a restarted router does not take warm caches for empty ones.
+:class:`ReuseBook` keeps, per replica, the chains this router sent there within the last
+``window_s`` seconds — the first block key of the prompt's chain and the deepest run of it a
+request left cached there, hit or miss (a new prefix's copy is worth keeping before its
+second request comes) — and sums their depths: the blocks an eviction would cost. Each
+router sees only its own requests, which is enough: behind an L4 balancer every router sees
+the same mix of prefixes. It is soft state, like the speed estimates. A router that has
+watched for less than a whole window cannot tell a cold cache from one it has not seen
+served, so it also counts the share of the replica's resident blocks (as the index says)
+that the unwatched rest of the window may hide — all of them at start-up, none once a window
+has passed — and answers the larger of the two: a restarted router does not take warm caches
+for empty ones, and one that has watched for most of a window trusts what it saw.
+(docs/architecture.md, "Score", has what the earlier rules cost.)
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -37,9 +43,9 @@ class _Replica:
 
 
 class ReuseBook:
-    """Blocks per replica that routed requests reused within ``window_s`` (module docstring).
+    """Blocks per replica that routed requests left cached within ``window_s`` (module docstring).
 
-    :param window_s: a prefix counts this long after a request last reused it (> 0).
+    :param window_s: a chain counts this long after a request was last sent there with it (> 0).
     """
 
     def __init__(self, window_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -51,8 +57,8 @@ class ReuseBook:
         self._replicas: dict[str, _Replica] = {}
 
     def record(self, replica: str, root: int, blocks: int) -> None:
-        """A request routed to ``replica`` reused ``blocks`` cached blocks of the chain that
-        starts with block key ``root`` (its deepest reuse there since it last lapsed counts)."""
+        """A request routed to ``replica`` left ``blocks`` blocks of the chain that starts
+        with block key ``root`` cached there (its deepest there since it last lapsed counts)."""
         if blocks <= 0:
             return
         entry = self._replicas.get(replica)
@@ -68,12 +74,20 @@ class ReuseBook:
             depth, _ = entry.prefixes.popitem(last=False)[1]
             entry.blocks -= depth
 
-    def valued(self, replica: str) -> int | None:
-        """Blocks of ``replica``'s cache reused lately; None until the book has watched for
-        a whole window (it cannot tell a cold replica from one it has not seen served)."""
+    def valued(self, replica: str, resident: int | None) -> int | None:
+        """Blocks of ``replica``'s cache in use lately: those this router saw sent there, or,
+        before it has watched for a whole window, the share of the ``resident`` blocks the
+        rest of the window may hide if that is more (None when ``resident`` is unknown)."""
         now = self.clock()
-        if now - self._since < self.window_s:
+        unseen = 1.0 - (now - self._since) / self.window_s
+        watched = self._watched(replica, now)
+        if unseen <= 0.0:
+            return watched
+        if resident is None:
             return None
+        return max(watched, math.ceil(resident * unseen))
+
+    def _watched(self, replica: str, now: float) -> int:
         entry = self._replicas.get(replica)
         if entry is None:
             return 0

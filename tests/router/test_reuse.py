@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
+from router.proxy import REPLICA_HEADER
 from router.reuse import ReuseBook
 from tests.clock import ManualClock
+from tests.router.harness import SYSTEM, base_url, chat, engines, router
 
 
-def test_unknown_until_the_book_has_watched_a_whole_window() -> None:
+def test_before_a_whole_window_the_unwatched_share_of_the_residency_counts_too() -> None:
     clock = ManualClock(100.0)
     book = ReuseBook(30.0, clock=clock)
+    assert book.valued("a", resident=1_000) == 1_000  # a restarted router: all may be hot
+    assert book.valued("a", resident=None) is None  # and without the index it cannot say
+    clock.now += 6.0
     book.record("a", root=1, blocks=300)
-    assert book.valued("a") is None  # a restarted router cannot tell cold from unseen
-    clock.now += 30.0
-    assert book.valued("b") == 0  # watched, and nothing routed there was a hit
+    assert book.valued("a", resident=1_000) == 800  # 24 s of the window still unwatched
+    clock.now += 18.0
+    assert book.valued("a", resident=1_000) == 300  # what it saw outweighs the rest: 200
+    assert book.valued("b", resident=1_000) == 200
+    clock.now += 6.0
+    assert book.valued("b", resident=1_000) == 0  # watched, and nothing routed there was a hit
+    assert book.valued("b", resident=None) == 0
 
 
 def test_prefixes_sum_by_their_deepest_reuse_and_lapse_after_the_window() -> None:
@@ -26,15 +36,15 @@ def test_prefixes_sum_by_their_deepest_reuse_and_lapse_after_the_window() -> Non
     book.record("a", root=1, blocks=120)  # a shorter hit of a prefix seen deeper
     book.record("a", root=3, blocks=0)  # a miss reuses nothing
     book.record("b", root=1, blocks=40)
-    assert (book.valued("a"), book.valued("b")) == (600, 40)
+    assert (book.valued("a", None), book.valued("b", None)) == (600, 40)
     clock.now += 20.0
     book.record("a", root=2, blocks=310)  # a conversation grew: its turn's depth
     clock.now += 15.0  # root 1 was last reused 35 s ago
-    assert book.valued("a") == 310
+    assert book.valued("a", None) == 310
     clock.now += 20.0
-    assert book.valued("a") == 0
+    assert book.valued("a", None) == 0
     book.forget("b")
-    assert book.valued("b") == 0
+    assert book.valued("b", None) == 0
 
 
 def test_the_window_must_be_positive() -> None:
@@ -48,4 +58,29 @@ def test_a_replica_keeps_a_bounded_number_of_prefixes_oldest_first_out() -> None
     clock.now += 30.0
     for root in range(10_000):
         book.record("a", root=root, blocks=1)
-    assert book.valued("a") == 8_192  # the 1,808 oldest were dropped, and their blocks
+    assert book.valued("a", None) == 8_192  # the 1,808 oldest were dropped, and their blocks
+
+
+async def test_a_routed_request_counts_its_whole_chain_where_it_was_sent() -> None:
+    """Hit or miss, the replica a request went to holds its chain afterwards: a new prefix's
+    copy is worth keeping before a second request reuses it. (Counted from the first hit
+    only, an engine holding three prefixes whose third had not been asked for again looked
+    to have room for a fourth in the 1,024-block matrix cell, and the group was moved later.)"""
+    async with (
+        engines(2) as fleet,
+        router(replica=fleet.specs) as service,
+        httpx.AsyncClient(base_url=base_url(service), timeout=20) as client,
+    ):
+        book = service.router.placer.reuse
+        assert book is not None
+        answer = await client.post("/v1/chat/completions", json=chat(SYSTEM, "first"))
+        assert answer.status_code == 200
+        chosen = answer.headers[REPLICA_HEADER]
+        other = next(f"{fleet.prefix}{i}" for i in range(2) if f"{fleet.prefix}{i}" != chosen)
+        blocks = answer.json()["usage"]["prompt_tokens"] // 16
+        assert blocks > 20
+        assert book.valued(chosen, resident=0) == blocks  # resident 0: only what it watched
+        assert book.valued(other, resident=0) == 0
+        again = await client.post("/v1/chat/completions", json=chat(SYSTEM, "a"))
+        assert again.headers[REPLICA_HEADER] == chosen
+        assert book.valued(chosen, resident=0) == blocks  # the deepest run of one chain
