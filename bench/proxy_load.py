@@ -55,6 +55,7 @@ class ProxySettings:
     time_scale: float = 0.001
     step_ms: float = 1.0
     groups: int = 8
+    workers: int = 1  # router processes (``kvrouter router --workers``)
 
     @classmethod
     def quick(cls) -> ProxySettings:
@@ -68,12 +69,33 @@ def percentile(samples: Sequence[float], q: float) -> float:
 
 
 def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds of a process so far (this process for ``None``)."""
+    """User + system CPU seconds so far of a process and its live descendants (``kvrouter
+    router --workers N`` serves from its children), or of this process for ``None``."""
     if pid is None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+    total = 0.0
+    for member in _process_tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # exited meanwhile
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICKS
+    return total
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and every live descendant (``/proc/PID/task/TID/children``)."""
+    tree, pending = [], [pid]
+    while pending:
+        member = pending.pop()
+        tree.append(member)
+        for children in Path(f"/proc/{member}/task").glob("*/children"):
+            try:
+                pending.extend(int(child) for child in children.read_text().split())
+            except FileNotFoundError:
+                continue
+    return tree
 
 
 class CpuMeter:
@@ -276,6 +298,7 @@ def measure(settings: ProxySettings) -> dict[str, Any]:
         haproxy=False,
         time_scale=settings.time_scale,
         num_blocks=16_384,
+        router_args=("--workers", str(settings.workers)),
         # every engine step takes step_ms (the floor dominates): streams chunk at that pace
         replica_args=(
             "--max-num-seqs",
@@ -288,7 +311,8 @@ def measure(settings: ProxySettings) -> dict[str, Any]:
         results = asyncio.run(drive(stack, settings))
     results["setup"] = {
         "engines": "2 simulated engines in one `kvrouter replica` process",
-        "router": "one `kvrouter router --redis` (index and shared load in redis-server)",
+        "router": f"one `kvrouter router --redis --workers {settings.workers}` (index and shared "
+        "load in redis-server)",
         "step_ms": settings.step_ms,
         "prompt_tokens": SYSTEM_CHARS + 60,
         "max_tokens": settings.max_tokens,

@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -404,6 +404,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000,8000,32000,100000", help="prompt tokens")
     parser.add_argument("--skip-decision", action="store_true")
     parser.add_argument("--skip-proxy", action="store_true")
+    parser.add_argument("--workers", type=int, default=1, help="router processes (proxy part)")
     parser.add_argument("--json", type=Path, default=Path("bench/results/router.json"))
     args = parser.parse_args()
     scale = 0.2 if args.quick else 1.0
@@ -422,7 +423,9 @@ def main() -> None:
         results["load_average"]["after_decision"] = os.getloadavg()[0]
         print(decision_table(results["decision"]))
     if not args.skip_proxy:
-        proxy = ProxySettings.quick() if args.quick else ProxySettings()
+        proxy = replace(
+            ProxySettings.quick() if args.quick else ProxySettings(), workers=args.workers
+        )
         results["proxy"] = measure(proxy)
         results["load_average"]["after_proxy"] = os.getloadavg()[0]
         print()

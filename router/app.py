@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -32,7 +32,7 @@ from router.estimator import SpeedBook
 from router.health import ReplicaMonitor
 from router.journal import DecisionJournal
 from router.load import Load, LoadBoard, LocalLoadBoard
-from router.metrics import MismatchDetector, RouterMetrics
+from router.metrics import METRICS_CONTENT_TYPE, MismatchDetector, RouterMetrics, exposition
 from router.placement import Placement, Placer, TokenizerBook
 from router.proxy import CLIENT_CLOSED, Proxy, read_body
 from router.replicas import Replica, ReplicaSet
@@ -290,7 +290,7 @@ class Router:
         }
 
     async def metrics_page(self, request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition(self.registry), media_type=METRICS_CONTENT_TYPE)
 
     async def health(self, request: Request) -> Response:
         replicas = self.replicas.all()
@@ -304,6 +304,7 @@ class Router:
             status = "ok" if breaker == "closed" and self.monitor.registry_reachable else "degraded"
         body = {
             "status": status,
+            "router_id": self.settings.router_id,
             "replicas": {"total": len(replicas), "healthy": healthy},
             "index": {"backend": type(self.index).__name__, "breaker": breaker},
             "registry_reachable": self.monitor.registry_reachable,

@@ -157,7 +157,14 @@ class RouterSettings(ServiceSettings):
     registry_interval_s: float = setting(1.0, "time between registry refreshes")
     lease_ttl_s: float = setting(5.0, "shared load of a dead router expires after this long")
     load_renew_s: float = setting(1.0, "how often this router renews its shared load")
-    router_id: str | None = setting(None, "unique id of this router (default: host-pid-random)")
+    router_id: str | None = setting(
+        None, "unique id of this router (default: host-pid-random; workers add -0, -1, ...)"
+    )
+    workers: int = setting(
+        1,
+        "router processes serving the port, each a router sharing load through Redis "
+        "(0: one per usable core; more than 1 needs --redis)",
+    )
     max_body_bytes: int = setting(32 << 20, "largest accepted request body (413 above)")
     max_prompt_tokens: int = setting(1 << 20, "longest accepted prompt in tokens (400 above)")
     tokenizer_cache_tokens: int = setting(4_000_000, "segment cache of each tokenizer, in tokens")
@@ -225,6 +232,7 @@ class RouterSettings(ServiceSettings):
             raise ConfigError("need 0 < load-renew-s < lease-ttl-s")
         self._check_baselines()
         self._check_speed()
+        self._check_workers()
         if not 0 < self.mismatch_ratio <= 1:
             raise ConfigError("mismatch-ratio must be in (0, 1]")
         if self.router_id is not None and (not self.router_id or "\x00" in self.router_id):
@@ -233,6 +241,15 @@ class RouterSettings(ServiceSettings):
             self.policy_config(self.block_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    def _check_workers(self) -> None:
+        if self.workers < 0:
+            raise ConfigError("workers must be >= 0")
+        if self.workers != 1 and not self.redis:
+            raise ConfigError(
+                "workers: more than one router process needs --redis (the embedded index "
+                "lives in one process)"
+            )
 
     def _check_speed(self) -> None:
         if not (self.prefill_ms_per_token > 0 and math.isfinite(self.prefill_ms_per_token)):

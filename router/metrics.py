@@ -6,17 +6,32 @@ engines report hits: routing silently degrades to load balancing. Every response
 ``usage.prompt_tokens_details.cached_tokens`` is compared with the router's prediction for
 the replica it chose; :class:`MismatchDetector` raises ``kvrouter_router_hash_mismatch`` and
 logs a warning when engines keep reporting hits the router predicted none of.
+
+Under ``--workers N`` (:mod:`router.workers`) every worker writes its metrics to files in
+``PROMETHEUS_MULTIPROC_DIR`` and :func:`exposition` answers for all of them: counters and
+histograms summed, each gauge as its ``multiprocess_mode`` says (in-flight requests summed
+over the live workers; a flag raised if any worker raised it; a replica healthy only if every
+worker has it in rotation).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections import deque
-from typing import Final
+from typing import Final, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +44,17 @@ STAGE_BUCKETS: Final = (
 )  # fmt: skip
 RATIO_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 WARN_EVERY_S: Final = 60.0
+MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+METRICS_CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The ``/metrics`` page: ``registry``, or every worker's metrics under ``--workers``."""
+    if os.environ.get(MULTIPROC_ENV):
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+        return generate_latest(merged)
+    return generate_latest(registry)
 
 
 class RouterMetrics:
@@ -38,8 +64,16 @@ class RouterMetrics:
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(f"kvrouter_router_{name}", doc, labels, registry=registry)
 
-        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(f"kvrouter_router_{name}", doc, labels, registry=registry)
+        def gauge(
+            name: str,
+            doc: str,
+            labels: tuple[str, ...] = (),
+            *,
+            workers: Literal["livesum", "livemax", "livemin"],
+        ) -> Gauge:
+            return Gauge(
+                f"kvrouter_router_{name}", doc, labels, registry=registry, multiprocess_mode=workers
+            )
 
         self.requests = counter(
             "requests",
@@ -93,6 +127,7 @@ class RouterMetrics:
             "hash_mismatch",
             "1 while engines keep reporting prefix hits the router predicted none of",
             ("model",),
+            workers="livemax",
         )
         self.fallbacks = counter(
             "fallbacks", "Decisions made without the index or without shared load", ("reason",)
@@ -107,10 +142,16 @@ class RouterMetrics:
         self.disconnects = counter(
             "client_disconnects", "Requests whose client left before the end", ("endpoint",)
         )
-        self.inflight = gauge("inflight_requests", "Requests in flight per replica", ("replica",))
+        self.inflight = gauge(
+            "inflight_requests", "Requests in flight per replica", ("replica",), workers="livesum"
+        )
         self.predictions = counter("predictions", "Predict-on-route index writes", ("status",))
-        self.breaker_open = gauge("index_breaker_open", "1 while the index circuit breaker is open")
-        self.replica_healthy = gauge("replica_healthy", "1 while in rotation", ("replica",))
+        self.breaker_open = gauge(
+            "index_breaker_open", "1 while the index circuit breaker is open", workers="livemax"
+        )
+        self.replica_healthy = gauge(
+            "replica_healthy", "1 while in rotation", ("replica",), workers="livemin"
+        )
         self.health_checks = counter("health_checks", "Active health checks", ("result",))
 
     def forget_replica(self, replica: str) -> None:

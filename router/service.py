@@ -12,7 +12,10 @@ cuts the drain short.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import signal
+import socket
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -21,6 +24,7 @@ from router.app import Router, create_app
 from router.config import RouterSettings
 from router.load import LoadBoard, LocalLoadBoard, RedisLoadBoard, new_router_id
 from router.placement import TokenizerBook
+from router.workers import WorkerPool, worker_count
 from tracker.config import TrackerSettings
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex
@@ -56,13 +60,17 @@ class RouterService:
         *,
         registry: CollectorRegistry | None = None,
         freeze: bool = False,
+        sock: socket.socket | None = None,
     ) -> None:
         """:param freeze: the service owns its process: freeze the start-up heap once it
-        serves (:func:`tracker.lifecycle.freeze_heap`)."""
-        self.settings = settings
-        self.freeze = freeze
-        self.registry = registry or CollectorRegistry()
+        serves (:func:`tracker.lifecycle.freeze_heap`).
+        :param sock: serve on this listening socket (a worker of :mod:`router.workers`)
+            instead of binding ``host:port``."""
         self.router_id = settings.router_id or new_router_id()
+        self.settings = dataclasses.replace(settings, router_id=self.router_id)
+        self.freeze = freeze
+        self._sock = sock
+        self.registry = registry or CollectorRegistry()
         self.index: BlockIndex | None = None
         self.tracker: TrackerService | None = None
         self.app: Starlette | None = None
@@ -126,7 +134,7 @@ class RouterService:
         settings = self.settings
         self._http = HTTPServer(
             app,
-            bind(settings.host, settings.port),
+            self._sock or bind(settings.host, settings.port),
             shutdown_timeout_s=settings.shutdown_timeout_s,
             lifespan="on",
             name="the router app",
@@ -183,11 +191,17 @@ class RouterService:
             self.index = None
 
 
-async def serve(settings: RouterSettings) -> int:
-    """Run a router until SIGINT/SIGTERM."""
-    return await run_until_signalled(RouterService(settings, freeze=True))
+async def serve(settings: RouterSettings, *, sock: socket.socket | None = None) -> int:
+    """Run a router until SIGINT/SIGTERM (a worker on ``sock``: until SIGTERM)."""
+    service = RouterService(settings, freeze=True, sock=sock)
+    if sock is None:
+        return await run_until_signalled(service)
+    return await run_until_signalled(service, signals=(signal.SIGTERM,))
 
 
 def run(settings: RouterSettings) -> int:
     """Entry point of ``kvrouter router``: returns the process exit status."""
+    count = worker_count(settings)
+    if count > 1:
+        return WorkerPool(settings, count).run()
     return run_on_loop(serve(settings), settings.loop)

@@ -64,10 +64,11 @@ async def cancel_and_wait(tasks: Collection[asyncio.Task[Any]], *, grace_s: floa
     await asyncio.gather(*(task for task in tasks if task.done()), return_exceptions=True)
 
 
-async def run_until_signalled(service: Service) -> int:
-    """Run ``service`` with SIGINT/SIGTERM wired to :meth:`Service.request_stop`."""
+async def run_until_signalled(
+    service: Service, *, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
+) -> int:
+    """Run ``service`` with ``signals`` wired to :meth:`Service.request_stop`."""
     loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
     for sig in signals:
         loop.add_signal_handler(sig, service.request_stop)
     try:

@@ -1,0 +1,151 @@
+"""``kvrouter router --workers 2``: two router processes on one port, one Redis, one drain.
+
+Real processes throughout: ``kvrouter replica`` (two engines, registered in Redis),
+``kvrouter tracker`` and one ``kvrouter router --workers 2``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from router.config import RouterSettings
+from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from tests.procs import free_port, free_ports
+from tests.router.harness import SYSTEM, Process, chat, metric, wait_healthy, wait_until
+from tracker.errors import ConfigError
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]
+
+
+def _pid(router_id: str) -> int:
+    """The pid in a default router id (``host-pid-random``)."""
+    return int(router_id.rsplit("-", 2)[1])
+
+
+async def _fresh(url: str, path: str) -> httpx.Response:
+    """``GET path`` on a new connection: the kernel may hand it to either worker."""
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        return await client.get(path)
+
+
+async def _workers_seen(url: str, within: float = 15.0) -> set[str]:
+    seen: set[str] = set()
+
+    async def both() -> bool:
+        seen.add((await _fresh(url, "/health")).json()["router_id"])
+        return len(seen) >= 2
+
+    await wait_until(both, within=within, interval=0.01)
+    return seen
+
+
+async def test_two_workers_serve_one_port_share_index_and_load_and_drain(
+    redis_url: str, tmp_path: Path
+) -> None:
+    http, events, replay = free_ports(2), free_ports(2), free_ports(2)
+    replica = Process(
+        [
+            "replica", "--count", "2", "--port", str(http),
+            "--events", f"tcp://*:{events}", "--replay", f"tcp://*:{replay}",
+            "--model", "sim", "--redis", redis_url, "--time-scale", "0.01",
+            "--floor-ms", "1000", "--heartbeat-s", "0.5", "--ttl-s", "3",
+        ],
+        tmp_path / "replica.log",
+    )  # fmt: skip
+    tracker = Process(["tracker", "--redis", redis_url, "--http-port", "0"], tmp_path / "t.log")
+    port = free_port()
+    pool = Process(
+        [
+            "router", "--workers", "2", "--port", str(port), "--redis", redis_url,
+            "--registry-interval-s", "0.3", "--health-interval-s", "0.5",
+            "--metrics-interval-s", "0.3", "--lease-ttl-s", "1.5", "--load-renew-s", "0.3",
+            "--lookup-timeout-ms", "50", "--shutdown-timeout-s", "20",
+        ],
+        tmp_path / "router.log",
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    streams: list[asyncio.Task[str]] = []
+    try:
+        await wait_healthy(url, pool)
+        first = await _workers_seen(url)  # both processes accept on the one port
+
+        async def both_replicas_known() -> bool:
+            for _ in range(4):
+                replicas = (await _fresh(url, "/replicas")).json()["replicas"]
+                if len(replicas) != 2:
+                    return False
+            return True
+
+        await wait_until(both_replicas_known, within=15)
+
+        # a shared prefix sent over fresh connections (either worker) stays on one replica
+        chosen, predicted = [], []
+        for i in range(8):
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                answer = await client.post("/v1/chat/completions", json=chat(SYSTEM, str(i)))
+            assert answer.status_code == 200, answer.text
+            chosen.append(answer.headers[REPLICA_HEADER])
+            predicted.append(int(answer.headers[PREDICTED_HEADER]))
+        assert len(set(chosen)) == 1, chosen
+        assert predicted[0] == 0 and min(predicted[1:]) > 1000, predicted
+        for _ in range(4):  # /metrics on either worker counts both workers' requests
+            page = (await _fresh(url, "/metrics")).text
+            assert metric(page, "kvrouter_router_requests_total", endpoint="chat") == 8
+
+        # a worker that dies is replaced; the port keeps serving meanwhile
+        victim = next(iter(first))
+        os.kill(_pid(victim), signal.SIGKILL)
+        replaced = await _workers_seen(url, within=20)
+        assert victim not in replaced and len(replaced) == 2, (first, replaced)
+
+        # load dispatched through one worker is seen by the other
+        async def stream(i: int) -> str:
+            body = chat(f"long {i}", "go", stream=True, max_tokens=300)
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=30) as client,
+                client.stream("POST", "/v1/chat/completions", json=body) as response,
+            ):
+                assert response.status_code == 200
+                return "".join([chunk async for chunk in response.aiter_text()])
+
+        streams = [asyncio.create_task(stream(i)) for i in range(3)]
+
+        async def every_worker_sees_three() -> bool:
+            for _ in range(6):
+                replicas = (await _fresh(url, "/replicas")).json()["replicas"]
+                if sum(int(r["inflight"]) for r in replicas) != 3:
+                    return False
+            return True
+
+        await wait_until(every_worker_sees_three, within=10)
+
+        # SIGTERM drains: the streams still running finish whole, the pool exits 0
+        pool.signal(signal.SIGTERM)
+        bodies = await asyncio.gather(*streams)
+        assert all(body.rstrip().endswith("data: [DONE]") for body in bodies), bodies
+        assert await pool.wait(within=30) == 0, pool.log()
+        log = pool.log()
+        assert "router worker died; starting another" in log
+        assert "router workers stopped" in log
+        for proc in (tracker, replica):
+            proc.signal(signal.SIGTERM)
+            assert await proc.wait() == 0, proc.log()
+    finally:
+        for task in streams:
+            task.cancel()
+        for proc in (pool, tracker, replica):
+            proc.close()
+
+
+def test_more_than_one_worker_needs_redis() -> None:
+    with pytest.raises(ConfigError, match="needs --redis"):
+        RouterSettings(workers=2)
+    with pytest.raises(ConfigError, match="workers must be >= 0"):
+        RouterSettings(workers=-1, redis="redis://127.0.0.1:1")
+    assert RouterSettings(workers=0, redis="redis://127.0.0.1:1").workers == 0
