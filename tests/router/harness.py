@@ -208,3 +208,20 @@ async def wait_healthy(url: str, proc: Process | None = None, within: float = 30
                 return False
 
         await wait_until(ok, within)
+
+
+def slow_fleet(redis_url: str, tmp_path: Path) -> tuple[Process, Process]:
+    """Two simulated replicas (1 s prefill floor, so streams overlap) and a tracker on
+    ``redis_url``, as real processes: the fleet the multi-router tests put routers in front of."""
+    http, events, replay = free_ports(2), free_ports(2), free_ports(2)
+    replica = Process(
+        [
+            "replica", "--count", "2", "--port", str(http),
+            "--events", f"tcp://*:{events}", "--replay", f"tcp://*:{replay}",
+            "--model", "sim", "--redis", redis_url, "--time-scale", "0.01",
+            "--floor-ms", "1000", "--heartbeat-s", "0.5", "--ttl-s", "3",
+        ],
+        tmp_path / "replica.log",
+    )  # fmt: skip
+    tracker = Process(["tracker", "--redis", redis_url, "--http-port", "0"], tmp_path / "t.log")
+    return replica, tracker

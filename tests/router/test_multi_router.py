@@ -16,11 +16,12 @@ import httpx
 import pytest
 
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
-from tests.procs import free_port, free_ports
+from tests.procs import free_port
 from tests.router.harness import (
     SYSTEM,
     Process,
     chat,
+    slow_fleet,
     wait_healthy,
     wait_until,
 )
@@ -44,17 +45,7 @@ async def _loads(client: httpx.AsyncClient) -> dict[str, Any]:
 
 
 async def test_two_routers_share_placements_and_load(redis_url: str, tmp_path: Path) -> None:
-    http, events, replay = free_ports(2), free_ports(2), free_ports(2)
-    replica = Process(
-        [
-            "replica", "--count", "2", "--port", str(http),
-            "--events", f"tcp://*:{events}", "--replay", f"tcp://*:{replay}",
-            "--model", "sim", "--redis", redis_url, "--time-scale", "0.01",
-            "--floor-ms", "1000", "--heartbeat-s", "0.5", "--ttl-s", "3",
-        ],
-        tmp_path / "replica.log",
-    )  # fmt: skip
-    tracker = Process(["tracker", "--redis", redis_url, "--http-port", "0"], tmp_path / "t.log")
+    replica, tracker = slow_fleet(redis_url, tmp_path)
     ports = free_port(), free_port()
     routers = [_router(p, redis_url, tmp_path, f"router-{i}") for i, p in enumerate(ports)]
     procs = [replica, tracker, *routers]

@@ -16,8 +16,8 @@ import pytest
 
 from router.config import RouterSettings
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
-from tests.procs import free_port, free_ports
-from tests.router.harness import SYSTEM, Process, chat, metric, wait_healthy, wait_until
+from tests.procs import free_port
+from tests.router.harness import SYSTEM, Process, chat, metric, slow_fleet, wait_healthy, wait_until
 from tracker.errors import ConfigError
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]
@@ -48,17 +48,7 @@ async def _workers_seen(url: str, within: float = 15.0) -> set[str]:
 async def test_two_workers_serve_one_port_share_index_and_load_and_drain(
     redis_url: str, tmp_path: Path
 ) -> None:
-    http, events, replay = free_ports(2), free_ports(2), free_ports(2)
-    replica = Process(
-        [
-            "replica", "--count", "2", "--port", str(http),
-            "--events", f"tcp://*:{events}", "--replay", f"tcp://*:{replay}",
-            "--model", "sim", "--redis", redis_url, "--time-scale", "0.01",
-            "--floor-ms", "1000", "--heartbeat-s", "0.5", "--ttl-s", "3",
-        ],
-        tmp_path / "replica.log",
-    )  # fmt: skip
-    tracker = Process(["tracker", "--redis", redis_url, "--http-port", "0"], tmp_path / "t.log")
+    replica, tracker = slow_fleet(redis_url, tmp_path)
     port = free_port()
     pool = Process(
         [
