@@ -25,7 +25,6 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from bench.peers import PEERS, Worker, executable, missing
+from bench.peers import PEERS, Worker, executable, installed
 from bench.proxy_load import cpu_seconds
 from bench.stack import LocalStack, StackConfig, port_block
 from bench.workloads import text
@@ -119,6 +118,31 @@ async def measure(
     return report
 
 
+def start_peers(stack: LocalStack, names: Sequence[str]) -> dict[str, str]:
+    """One instance of each named peer router in front of the stack's engines, started
+    under the stack's control (process name = peer name); their base URLs by name."""
+    workers = [Worker(url, events, replay) for url, events, replay in stack.endpoints()]
+    base = port_block(2 * len(names)) if names else 0
+    urls: dict[str, str] = {}
+    for i, name in enumerate(names):
+        arm = PEERS[name]
+        port = base + 2 * i
+        binary = executable(arm.binary)
+        if binary is None:
+            raise RuntimeError(f"{name}: {arm.binary} is not installed ({arm.package})")
+        argv = arm.argv(
+            binary,
+            port=port,
+            metrics_port=port + 1,
+            workers=workers,
+            block_size=stack.config.block_size,
+            model=stack.config.model,
+        )
+        stack.spawn(name, argv, f"http://127.0.0.1:{port}{arm.ready_path}")
+        urls[name] = f"http://127.0.0.1:{port}"
+    return urls
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__)
     parser.add_argument("--rounds", type=int, default=300, help="requests per target")
@@ -130,14 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the report here too")
     args = parser.parse_args(argv)
-    peers = [p for p in args.peers.split(",") if p]
-    unknown = [p for p in peers if p not in PEERS]
-    if unknown:
-        parser.error(f"unknown peers: {', '.join(unknown)} (known: {', '.join(PEERS)})")
-    absent = missing(peers)
-    for name, package in absent.items():
-        print(f"{name}: skipped, {package} is not installed", file=sys.stderr)
-    peers = [p for p in peers if p not in absent]
+    try:
+        peers = installed(args.peers)
+    except ValueError as exc:
+        parser.error(str(exc))
     config = StackConfig(
         replicas=2,
         routers=1,
@@ -147,24 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         replica_args=("--replay-layout", "topic"),
     )
     with LocalStack(config).start() as stack:
-        targets = {"kvrouter": stack.router_urls[0]}
-        workers = [Worker(url, events, replay) for url, events, replay in stack.endpoints()]
-        base = port_block(2 * len(peers)) if peers else 0
-        for i, name in enumerate(peers):
-            arm = PEERS[name]
-            port = base + 2 * i
-            binary = executable(arm.binary)
-            assert binary is not None
-            argv_ = arm.argv(
-                binary,
-                port=port,
-                metrics_port=port + 1,
-                workers=workers,
-                block_size=config.block_size,
-                model=config.model,
-            )
-            stack.spawn(name, argv_, f"http://127.0.0.1:{port}{arm.ready_path}")
-            targets[name] = f"http://127.0.0.1:{port}"
+        targets = {"kvrouter": stack.router_urls[0], **start_peers(stack, peers)}
         pids = {name: stack.pid(name) for name in peers}
         pids["kvrouter"] = stack.pid("router-0")
         report = asyncio.run(

@@ -145,3 +145,19 @@ def missing(arms: Sequence[str]) -> dict[str, str]:
         for name in arms
         if name in PEERS and executable(PEERS[name].binary) is None
     }
+
+
+def installed(spec: str) -> list[str]:
+    """The peer arms a comma-separated ``spec`` names that are installed; each one that is
+    not is reported on stderr and skipped.
+
+    :raises ValueError: ``spec`` names an arm that does not exist.
+    """
+    names = [name for name in spec.split(",") if name]
+    unknown = [name for name in names if name not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peers: {', '.join(unknown)} (known: {', '.join(PEERS)})")
+    absent = missing(names)
+    for name, package in absent.items():
+        print(f"{name}: skipped, {package} is not installed ({INSTALL_HINT})", file=sys.stderr)
+    return [name for name in names if name not in absent]

@@ -6,9 +6,14 @@ prompt tokens as queued prefill work until :meth:`Lease.first_token`; nothing af
 
 :class:`RedisLoadBoard` shares the totals: each router writes *its own* absolute totals into
 the partition's ``load`` hash (:attr:`tracker.keys.NamespaceKeys.load`), field
-``<replica> NUL <router id>``, value ``struct.pack('<ddd', inflight, tokens, expiry_ms)``
-with the expiry computed from Redis ``TIME`` inside the script, so router clocks never
-matter. A change is pushed by a single coalescing background task (the request path never
+``<replica> NUL <router id>``, value ``struct.pack('<dddd', inflight, tokens, expiry_ms,
+since_ms)`` with the expiry, and the send time of the router's oldest request there still
+prefilling, computed from Redis ``TIME`` inside the script, so router clocks never matter. A
+reader takes off what the engine has done of the others' queued tokens since then as it does
+for its own (:class:`Load`): counted in full until the first token's push arrived, a request
+sent through a second router right after one through the first saw the first's prefill still
+ahead of it and copied the prefix to an idle engine instead (tests/router/test_multi_router.py,
+3 of 4 runs). A change is pushed by a single coalescing background task (the request path never
 waits for Redis) ``push_delay_s`` after it happens (:data:`PUSH_DELAY_S`), with whatever else
 changed meanwhile: pushed at once, the write's client work ran between a request's decision
 and its upstream send, and between its first chunk and the relay (a lone request through
@@ -72,8 +77,9 @@ def new_router_id() -> str:
 class Load:
     """A replica's load: requests in flight, and prefill tokens not yet past first token.
 
-    :param prefill_since: when the oldest of *this* router's requests there that have not
-        produced their first token was sent (``time.monotonic()``); None: none is pending.
+    :param prefill_since: when the oldest request there that has not produced its first token
+        was sent (``time.monotonic()``), through this router or, in :meth:`RedisLoadBoard.merge`,
+        another; None: none is pending.
         The engine has been working through the queue at least since then, so that much
         of ``queued_prefill_tokens`` is already done (:mod:`router.policy`, ``queue_ms``).
     """
@@ -330,9 +336,12 @@ class RedisLoadBoard(_Totals):
     async def _push(self, batch: set[_Key]) -> bool:
         """Write the current totals of ``batch``; on failure they stay dirty."""
         by_key: dict[str, list[str | int]] = {}
+        now = time.monotonic()
         for key in batch:
             inflight, tokens = self._total(key)
-            by_key.setdefault(self._key(key[0]), []).extend((key[1], inflight, tokens))
+            since = self._since(*key)
+            age_ms = round((now - since) * 1000) if since is not None else 0
+            by_key.setdefault(self._key(key[0]), []).extend((key[1], inflight, tokens, age_ms))
         ttl_ms = self.ttl_ms
         try:
             if len(by_key) == 1:
@@ -426,11 +435,14 @@ class RedisLoadBoard(_Totals):
         """How long this router's entries, and its presence, outlive their last write."""
         return max(1, round(self.lease_ttl_s * 1000))
 
-    def merge(self, namespace: Namespace, others: Mapping[str, tuple[int, int]]) -> dict[str, Load]:
-        """Every router's load: the other routers' (in flight, queued prefill tokens) per
-        replica, read from Redis (:meth:`snapshot`, or an index survey that read the load
-        hash with its lookup), plus this router's own. Key "" says another router is there
-        (module docstring: a router alone writes its changes once a second)."""
+    def merge(
+        self, namespace: Namespace, others: Mapping[str, tuple[int, int, int]]
+    ) -> dict[str, Load]:
+        """Every router's load: the other routers' (in flight, queued prefill tokens, age ms of
+        the oldest still prefilling) per replica, read from Redis (:meth:`snapshot`, or an
+        index survey that read the load hash with its lookup), plus this router's own. Key ""
+        says another router is there (module docstring: a router alone writes its changes
+        once a second)."""
         self.stats.snapshots += 1
         base = namespace.base()
         now = time.monotonic()
@@ -443,11 +455,14 @@ class RedisLoadBoard(_Totals):
         elif now - self._seen.setdefault(base, now) > self.lease_ttl_s:
             self._alone.add(base)
         out = self.local_snapshot(base)
-        for replica, (inflight, tokens) in others.items():
+        for replica, (inflight, tokens, age_ms) in others.items():
             if not replica:
                 continue
             mine = out.get(replica, Load())
-            out[replica] = Load(
-                mine.inflight + inflight, mine.queued_prefill_tokens + tokens, mine.prefill_since
-            )
+            since = mine.prefill_since
+            if tokens > 0 and age_ms > 0:
+                theirs = now - age_ms / 1000
+                since = theirs if since is None else min(since, theirs)
+            queued = mine.queued_prefill_tokens + tokens
+            out[replica] = Load(mine.inflight + inflight, queued, since)
         return out

@@ -31,10 +31,10 @@ whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
 ``queued_prefill_tokens`` is the uncached prompt work of requests every router has sent to
 the replica that have not produced their first token yet (:mod:`router.load`), so a queue and
 a cache miss are priced in the same unit: milliseconds of prefill. What the engine has done of
-it is taken off: it has been prefilling at least since this router sent the oldest of its
-pending requests there (``prefill_elapsed_ms`` ago); counted in full, the second request of a
-new prefix, sent while the first still prefilled at home, looked cheaper as a cold copy on an
-idle engine. The engine's own
+it is taken off: it has been prefilling at least since the oldest of the pending requests
+there was sent, through any router (``prefill_elapsed_ms`` ago); counted in full, the second
+request of a new prefix, sent while the first still prefilled at home, looked cheaper as a
+cold copy on an idle engine. The engine's own
 ``/metrics`` (possibly stale, possibly absent) only add what the routers cannot know:
 requests from other clients, a full KV cache, the cache's size. ``busy`` is the candidates'
 mean ``active`` (:class:`Fleet`), ``churn`` how fast the replica's cache turns over relative
@@ -152,8 +152,8 @@ class ReplicaState:
     :param recent_inflight: the routers' requests in flight on it over the last seconds
         (:class:`router.occupancy.OccupancyBook`): the load a prefill there will meet even
         when the requests of the moment have just finished.
-    :param prefill_elapsed_ms: how long ago this router sent the oldest of its requests
-        there that have not produced their first token: the engine has been prefilling the
+    :param prefill_elapsed_ms: how long ago the oldest of the requests there that have not
+        produced their first token was sent (through any router): the engine has been prefilling the
         queue at least that long, so that much of ``queued_prefill_tokens`` is done.
     """
 
@@ -311,8 +311,7 @@ def _near_order(score: Score) -> tuple[int, int]:
 
 def _queued_tokens(state: ReplicaState, config: PolicyConfig) -> float:
     """Prefill work ahead of a new request: every router's queue, less what the engine has
-    done of it since this router's oldest pending request was sent, plus unseen waiting
-    ones."""
+    done of it since the oldest pending request was sent, plus unseen waiting ones."""
     unseen = max(0, (state.engine_waiting or 0) - state.inflight) * config.unseen_request_tokens
     done = max(0.0, state.prefill_elapsed_ms) / state.speed.prefill_ms_per_token
     return max(0.0, state.queued_prefill_tokens - done) + unseen

@@ -65,8 +65,9 @@ class Survey(msgspec.Struct, frozen=True):
     matches: dict[str, Match]
     residency: dict[str, Residency]
     homes: dict[str, Home] = msgspec.field(default_factory=dict)
-    load: dict[str, tuple[int, int]] | None = None
-    """Per replica, the other routers' requests in flight and queued prefill tokens, when
+    load: dict[str, tuple[int, int, int]] | None = None
+    """Per replica, the other routers' requests in flight, queued prefill tokens and how long
+    ago (ms) the oldest of those still prefilling was sent, when
     asked for (``load_except``) and the index holds the routers' shared load (Redis); key
     "" (zeros) when another router is present, whether or not it has load."""
 

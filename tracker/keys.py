@@ -23,7 +23,8 @@ key                             type   content
 ``P:T:ridfree``                 SET    rids released by departed replicas, reused first
 ``P:T:seq``                     HASH   replica id -> last applied event sequence number
 ``P:T:load``                    HASH   shared router load: ``replica NUL router id`` ->
-                                       ``<ddd`` in flight, queued tokens, expiry ms;
+                                       ``<dddd`` in flight, queued tokens, expiry ms,
+                                       oldest prefilling request's send time ms;
                                        ``NUL router id``: a reader's presence (zeros)
 ``P:T:stats``                   HASH   per replica, from its events: ``n:<replica>`` ->
                                        GPU blocks held now, ``s:<replica>`` -> GPU blocks

@@ -155,21 +155,24 @@ end
 
 # The shared router load (tracker.keys: ``load``), for router.load: PUT writes one router's
 # totals, load_snapshot sums the others' live entries, pruning expired ones.
-# KEYS: [load hash]; ARGV: [router id, ttl ms, then (replica, inflight, tokens) triples].
+# KEYS: [load hash]; ARGV: [router id, ttl ms, then (replica, inflight, tokens, age ms)
+# quadruples]; age: how long ago the router sent its oldest request there that is still
+# prefilling (stored as Redis time, so router clocks never matter).
 # A zero total deletes the field. The hash itself expires 2 ttl after the last write, so a
 # partition whose routers all died disappears even if nobody reads it again.
 LOAD_PUT: Final = """
 local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local ttl = tonumber(ARGV[2])
-local expiry = t[1] * 1000 + math.floor(t[2] / 1000) + ttl
 local written = 0
-for i = 3, #ARGV - 2, 3 do
+for i = 3, #ARGV - 3, 4 do
   local field = ARGV[i] .. '\\0' .. ARGV[1]
   local n, q = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   if n == 0 and q == 0 then
     redis.call('HDEL', KEYS[1], field)
   else
-    redis.call('HSET', KEYS[1], field, struct.pack('<ddd', n, q, expiry))
+    local since = now - tonumber(ARGV[i + 3])
+    redis.call('HSET', KEYS[1], field, struct.pack('<dddd', n, q, now + ttl, since))
     written = written + 1
   end
 end
@@ -181,36 +184,41 @@ return written
 
 
 # load_snapshot(load hash, router id whose entries to skip, ttl ms): [replica, inflight,
-# tokens, ...] summed over the other routers' live entries. The reader's presence is written
-# too (field ``NUL router``, zero totals, expiring after ttl): another router's comes back as
-# replica "" with zeros, so a router learns that it is not alone even before the others route.
+# tokens, age ms, ...] summed over the other routers' live entries; age: since the oldest of
+# their requests there still prefilling was sent (0: none known). The reader's presence is
+# written too (field ``NUL router``, zero totals, expiring after ttl): another router's comes
+# back as replica "" with zeros, so a router learns that it is not alone even before the
+# others route. A 24-byte value (written before entries carried their age) counts with age 0.
 _LOAD_SNAPSHOT: Final = """
 local function load_snapshot(key, skip, ttl)
   local t = redis.call('TIME')
   local now = t[1] * 1000 + math.floor(t[2] / 1000)
-  redis.call('HSET', key, '\\0' .. skip, struct.pack('<ddd', 0, 0, now + ttl))
+  redis.call('HSET', key, '\\0' .. skip, struct.pack('<dddd', 0, 0, now + ttl, now))
   if redis.call('PTTL', key) < 2 * ttl then redis.call('PEXPIRE', key, 2 * ttl) end
   local all = redis.call('HGETALL', key)
   local sums, order, dead = {}, {}, {}
   for i = 1, #all, 2 do
     local field, value = all[i], all[i + 1]
     local replica, router = string.match(field, '^(.*)%z(.-)$')
-    if replica == nil or #value ~= 24 then
+    local n, q, expiry, since
+    if replica ~= nil and #value == 32 then
+      n, q, expiry, since = struct.unpack('<dddd', value)
+    elseif replica ~= nil and #value == 24 then
+      n, q, expiry = struct.unpack('<ddd', value)
+      since = now
+    end
+    if expiry == nil or expiry <= now then
       dead[#dead + 1] = field
-    else
-      local n, q, expiry = struct.unpack('<ddd', value)
-      if expiry <= now then
-        dead[#dead + 1] = field
-      elseif router ~= skip then
-        local s = sums[replica]
-        if not s then
-          s = {0, 0}
-          sums[replica] = s
-          order[#order + 1] = replica
-        end
-        s[1] = s[1] + n
-        s[2] = s[2] + q
+    elseif router ~= skip then
+      local s = sums[replica]
+      if not s then
+        s = {0, 0, now}
+        sums[replica] = s
+        order[#order + 1] = replica
       end
+      s[1] = s[1] + n
+      s[2] = s[2] + q
+      if q > 0 and since < s[3] then s[3] = since end
     end
   end
   for i = 1, #dead, 1000 do
@@ -218,9 +226,11 @@ local function load_snapshot(key, skip, ttl)
   end
   local out = {}
   for _, replica in ipairs(order) do
+    local s = sums[replica]
     out[#out + 1] = replica
-    out[#out + 1] = sums[replica][1]
-    out[#out + 1] = sums[replica][2]
+    out[#out + 1] = s[1]
+    out[#out + 1] = s[2]
+    out[#out + 1] = math.max(0, now - s[3])
   end
   return out
 end

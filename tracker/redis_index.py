@@ -50,15 +50,17 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
-def load_sums(reply: Sequence[Any]) -> dict[str, tuple[int, int]]:
+def load_sums(reply: Sequence[Any]) -> dict[str, tuple[int, int, int]]:
     """A load snapshot's reply (``tracker.lua`` ``load_snapshot``: replica, in flight, queued
-    tokens, ...) per replica; replica "" is another router's presence."""
+    tokens, age ms of the oldest still prefilling, ...) per replica; replica "" is another
+    router's presence."""
     return {
         (raw.decode() if isinstance(raw, bytes) else str(raw)): (
             int(reply[i + 1]),
             int(reply[i + 2]),
+            int(reply[i + 3]),
         )
-        for i in range(0, len(reply) - 2, 3)
+        for i in range(0, len(reply) - 3, 4)
         if (raw := reply[i]) is not None
     }
 

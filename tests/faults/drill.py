@@ -224,9 +224,9 @@ class Drill:
             entries = client.hgetall(key)
         inflight = 0
         for name, value in entries.items():
-            if name.split(b"\x00")[-1].decode() != router_id or len(value) != 24:
+            if name.split(b"\x00")[-1].decode() != router_id or len(value) != 32:
                 continue
-            count, _, expiry = struct.unpack("<ddd", value)
+            count, _, expiry, _ = struct.unpack("<dddd", value)
             inflight += int(count) if expiry > now_ms else 0
         return inflight
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -136,6 +137,45 @@ async def test_load_on_one_router_is_seen_by_another_within_milliseconds(boards:
 
 
 @pytest.mark.redis
+async def test_another_routers_pending_prefill_arrives_with_its_age(
+    boards: Factory, redis_url: str
+) -> None:
+    """What the engine has done of the others' queue is taken off as it is of a router's own:
+    the entries carry when their oldest request still prefilling was sent (Redis time)."""
+    a, b = await boards(), await boards()
+    first = a.acquire(NS, "r1", 2048)
+    await asyncio.sleep(0.2)
+    a.acquire(NS, "r1", 10)  # pushes the totals again; the oldest is still the first
+
+    async def both() -> bool:
+        return (await b.snapshot(NS)).get("r1") == Load(2, 2058)
+
+    await _until(both)
+    read = time.monotonic()
+    since = (await b.snapshot(NS))["r1"].prefill_since
+    assert since is not None and 0.15 < read - since < 1.5  # the first's age, not the second's
+    mine = b.acquire(NS, "r1", 5)  # b's own younger request does not hide the older one
+    assert (await b.snapshot(NS))["r1"].prefill_since == pytest.approx(since, abs=0.01)
+    mine.release()
+    first.first_token()  # the next oldest: sent ~0.2 s later
+
+    async def younger() -> bool:
+        view = (await b.snapshot(NS))["r1"]
+        return view.queued_prefill_tokens == 10 and view.prefill_since not in (None, since)
+
+    await _until(younger)
+    assert (await b.snapshot(NS))["r1"].prefill_since > since + 0.1  # type: ignore[operator]
+    # an entry of the earlier 24-byte format counts, with no age
+    async with redis.Redis.from_url(redis_url) as client:
+        seconds, micros = await client.time()
+        expiry = seconds * 1000 + micros // 1000 + 5000
+        old = struct.pack("<ddd", 1, 64, expiry)
+        await client.hset(NamespaceKeys(NS).load, "r9\x00old-router", old)
+    view = await b.snapshot(NS)
+    assert view["r9"] == Load(1, 64) and view["r9"].prefill_since is None
+
+
+@pytest.mark.redis
 async def test_partitions_are_separate_and_stored_under_the_schema_key(
     boards: Factory, redis_url: str
 ) -> None:
@@ -252,11 +292,13 @@ async def test_an_index_survey_reads_the_other_routers_load_in_its_lookup(boards
 
     await _until(pushed)
     survey = await index.survey(NS, [1, 2, 3], load_except=b.router_id)
-    assert survey.load == {"r1": (1, 2048)}  # b's own entry skipped: it knows its own exactly
+    assert survey.load is not None and set(survey.load) == {"r1"}  # b knows its own exactly
+    assert survey.load["r1"][:2] == (1, 2048) and 0 <= survey.load["r1"][2] < 2000
     assert b.merge(NS, survey.load) == await b.snapshot(NS)
     # b is there (its entry, and its presence from its reads: replica "")
     survey = await index.survey(NS, [1, 2, 3], load_except=a.router_id)
-    assert survey.load == {"r2": (1, 10), "": (0, 0)}
+    assert survey.load is not None and survey.load[""] == (0, 0, 0)
+    assert survey.load["r2"][:2] == (1, 10)
     assert (await index.survey(NS, [1, 2, 3])).load is None
 
 

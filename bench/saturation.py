@@ -1,0 +1,268 @@
+"""What each router costs as concurrency rises: kvrouter (one process, and ``--workers 2``) and
+the real peers against the engines themselves, up to saturation.
+
+Starts two simulated engines (one process each; every engine step takes ``--step-ms`` real
+milliseconds, so the engines are not the bottleneck), Redis, the tracker, one ``kvrouter
+router --redis`` per ``--workers`` value and one instance of each installed peer
+(:mod:`bench.peers`), all in front of the same engines. Then, per concurrency level (1, 8,
+32, 128 by default) and per target, a closed loop keeps that many short streamed requests in
+flight for ``--seconds`` (a group's 1,000-token system prompt and a new question: the builtin
+byte-level tokenizer, the same requests for every target), straight to the engines
+(round-robin) or through the router. Reported per target and level: completed requests/s,
+time to the first chunk (p50 / p99) and what it adds over the engines' own at the same
+level, the gap between chunks (p99), the router's CPU per request (its process tree, from
+/proc) and errors. A target's saturation is its best requests/s over the levels.
+
+    python -m bench.saturation [--concurrency 1,8,32,128] [--seconds 6] [--workers 1,2]
+        [--peers smg,vllm-kv,vllm-cache] [--json FILE]
+
+Every process shares the machine's cores with the load generator (its CPU per request is
+reported too): compare targets within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+import httpx
+
+from bench.overhead import start_peers
+from bench.peers import installed
+from bench.proxy_load import Bodies, Target, cpu_seconds, one_stream, percentile
+from bench.stack import LocalStack, StackConfig, kvrouter_bin, port_block
+from router.upstream import KEEPALIVE_EXPIRY_S
+
+DIRECT: Final = "direct"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Shape of the measurement (bounded: levels x targets x ``seconds``)."""
+
+    concurrency: tuple[int, ...] = (1, 8, 32, 128)
+    seconds: float = 6.0
+    warmup_s: float = 1.0
+    output_tokens: int = 16
+    groups: int = 8
+    step_ms: float = 1.0
+    time_scale: float = 0.001
+
+
+@dataclass
+class Level:
+    """One closed loop's samples."""
+
+    ttft: list[float]
+    gaps: list[float]
+    errors: int
+    seconds: float
+
+
+async def closed_streams(
+    client: aiohttp.ClientSession,
+    target: Target,
+    bodies: Bodies,
+    *,
+    concurrency: int,
+    seconds: float,
+    output_tokens: int,
+) -> Level:
+    """``concurrency`` streams in flight until ``seconds`` have passed (none starts after)."""
+    ttft: list[float] = []
+    gaps: list[float] = []
+    errors = 0
+    deadline = time.monotonic() + seconds
+
+    async def worker() -> None:
+        nonlocal errors
+        while time.monotonic() < deadline:
+            try:
+                times = await one_stream(client, target, bodies.make(output_tokens, stream=True))
+            except (aiohttp.ClientError, TimeoutError):
+                errors += 1
+                continue
+            if not times:
+                errors += 1
+                continue
+            ttft.append(times[0])
+            gaps.extend(b - a for a, b in pairwise(times))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return Level(ttft, gaps, errors, time.perf_counter() - start)
+
+
+async def drive(
+    targets: dict[str, list[str]], pids: dict[str, int | None], plan: Plan
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Every level, every target; rows by target, then by level (as a string)."""
+    bodies = Bodies(plan.groups)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+    timeout = aiohttp.ClientTimeout(total=60.0)
+    report: dict[str, dict[str, dict[str, float]]] = {name: {} for name in targets}
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+        for concurrency in plan.concurrency:
+            shape: dict[str, Any] = {
+                "concurrency": concurrency,
+                "seconds": plan.seconds,
+                "output_tokens": plan.output_tokens,
+            }
+            for name, urls in targets.items():
+                target = Target(name, urls)
+                # connections opened, every group's prefix cached, tokenizer caches warm
+                await closed_streams(client, target, bodies, **dict(shape, seconds=plan.warmup_s))
+                pid = pids.get(name)
+                cpu = cpu_seconds(pid) if pid is not None else None
+                mine = cpu_seconds(None)
+                run = await closed_streams(client, target, bodies, **shape)
+                done = max(1, len(run.ttft))
+                row = {
+                    "requests": float(len(run.ttft)),
+                    "errors": float(run.errors),
+                    "rps": len(run.ttft) / run.seconds,
+                    "ttft_p50_ms": percentile(run.ttft, 50) * 1e3,
+                    "ttft_p99_ms": percentile(run.ttft, 99) * 1e3,
+                    "gap_p50_ms": percentile(run.gaps, 50) * 1e3,
+                    "gap_p99_ms": percentile(run.gaps, 99) * 1e3,
+                    "client_cpu_ms_per_request": (cpu_seconds(None) - mine) * 1e3 / done,
+                }
+                if pid is not None and cpu is not None:
+                    row["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu) * 1e3 / done
+                report[name][str(concurrency)] = row
+    for name, levels in report.items():
+        for level, row in levels.items():
+            base = report[DIRECT].get(level)
+            if name != DIRECT and base is not None:
+                row["added_p50_ms"] = row["ttft_p50_ms"] - base["ttft_p50_ms"]
+                row["added_p99_ms"] = row["ttft_p99_ms"] - base["ttft_p99_ms"]
+    return report
+
+
+def saturation(levels: dict[str, dict[str, float]]) -> float:
+    """A target's best requests/s over the levels."""
+    return max((row["rps"] for row in levels.values()), default=0.0)
+
+
+def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The report as a plain-text table, one line per target and level."""
+    lines = [
+        f"{'target':<14} {'streams':>7} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} "
+        f"{'added p50':>10} {'p99':>8} {'gap p99':>8} {'CPU/req':>8} {'errors':>6}  (real ms)"
+    ]
+    for name, levels in report.items():
+        for level, row in levels.items():
+            added = (
+                f"{row['added_p50_ms']:>+10.2f} {row['added_p99_ms']:>+8.2f}"
+                if "added_p50_ms" in row
+                else f"{'':>10} {'':>8}"
+            )
+            cpu = f"{row['cpu_ms_per_request']:>8.2f}" if "cpu_ms_per_request" in row else " " * 8
+            lines.append(
+                f"{name:<14} {level:>7} {row['rps']:>7.0f} {row['ttft_p50_ms']:>9.2f} "
+                f"{row['ttft_p99_ms']:>8.2f} {added} {row['gap_p99_ms']:>8.2f} {cpu} "
+                f"{int(row['errors']):>6}"
+            )
+    lines.append("saturation (best req/s): " + ", ".join(
+        f"{name} {saturation(levels):.0f}" for name, levels in report.items()
+    ))  # fmt: skip
+    return "\n".join(lines)
+
+
+def _router_argv(stack: LocalStack, port: int, workers: int) -> list[str]:
+    assert stack.redis_url is not None
+    return [
+        kvrouter_bin(), "router", "--port", str(port), "--router-id", f"kvrouter-w{workers}",
+        "--model", stack.config.model, "--block-size", str(stack.config.block_size),
+        "--redis", stack.redis_url, "--workers", str(workers),
+    ]  # fmt: skip
+
+
+def _wait_replicas(url: str, want: int, timeout_s: float = 30.0) -> None:
+    """Until the router at ``url`` has ``want`` engines in rotation (found in the registry a
+    moment after its /health first answers)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            if int(httpx.get(f"{url}/health", timeout=1.0).json()["replicas"]["healthy"]) >= want:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} has not found {want} replicas within {timeout_s}s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.saturation", description=__doc__)
+    parser.add_argument("--concurrency", default="1,8,32,128", help="streams in flight, per level")
+    parser.add_argument("--seconds", type=float, default=Plan.seconds, help="per level and target")
+    parser.add_argument("--output-tokens", type=int, default=Plan.output_tokens)
+    parser.add_argument("--step-ms", type=float, default=Plan.step_ms, help="engine step (real)")
+    parser.add_argument("--workers", default="1,2", help="kvrouter arms: --workers of each")
+    parser.add_argument("--peers", default="smg,vllm-kv,vllm-cache", help="peer arms ('' for none)")
+    parser.add_argument("--json", type=Path, help="write the report here too")
+    args = parser.parse_args(argv)
+    try:
+        peers = installed(args.peers)
+        levels = tuple(int(c) for c in args.concurrency.split(",") if c)
+        workers = [int(w) for w in args.workers.split(",") if w]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not levels or min(levels) < 1 or not workers or min(workers) < 1:
+        parser.error("--concurrency and --workers take positive integers")
+    plan = Plan(
+        concurrency=levels,
+        seconds=args.seconds,
+        output_tokens=args.output_tokens,
+        step_ms=args.step_ms,
+    )
+    config = StackConfig(
+        replicas=2,
+        routers=0,
+        redis=True,
+        haproxy=False,
+        time_scale=plan.time_scale,
+        num_blocks=16_384,
+        replica_processes=True,
+        # every engine step takes step_ms (the floor dominates); vllm-kv needs the topic layout
+        replica_args=(
+            "--max-num-seqs", "512", "--floor-ms", str(plan.step_ms / plan.time_scale),
+            "--replay-layout", "topic",
+        ),
+    )  # fmt: skip
+    with LocalStack(config).start() as stack:
+        targets: dict[str, list[str]] = {DIRECT: stack.replica_urls}
+        pids: dict[str, int | None] = {}
+        base = port_block(len(workers))
+        for i, count in enumerate(workers):
+            name, port = f"kvrouter-w{count}", base + i
+            url = f"http://127.0.0.1:{port}"
+            stack.spawn(name, _router_argv(stack, port, count), f"{url}/health")
+            _wait_replicas(url, config.replicas)
+            targets[name] = [url]
+            pids[name] = stack.pid(name)
+        for name, url in start_peers(stack, peers).items():
+            targets[name] = [url]
+            pids[name] = stack.pid(name)
+        report = asyncio.run(drive(targets, pids, plan))
+    print(render(report))
+    if args.json:
+        meta: dict[str, Any] = {
+            "plan": {**plan.__dict__, "concurrency": list(plan.concurrency)},
+            "cores": os.cpu_count(),
+            "saturation": {name: saturation(levels) for name, levels in report.items()},
+        }
+        args.json.write_text(json.dumps({**meta, "targets": report}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
