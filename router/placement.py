@@ -1,11 +1,12 @@
 """From a request to a routing decision: tokenize, hash, look up, score; timed per stage.
 
 The prompt is tokenized as the engine will (chat template over every message), its block-key
-chain computed with the tracker's :func:`~tracker.blocks.block_keys`, the chain's placements
-and every router's load read in one guarded round trip (:mod:`router.breaker`), and the
-candidates scored by :func:`router.policy.decide`. A prompt the router cannot tokenize (a
-content type it does not know, a template that rejects the conversation) is routed on load
-alone: the engine, not the router, decides whether it is valid.
+chain computed with the tracker's :func:`~tracker.blocks.block_keys` (the keys of a prefix
+seen before are reused: :class:`~tracker.blocks.ChainCache`), the chain's placements and every
+router's load read in one guarded round trip (:mod:`router.breaker`), and the candidates scored
+by :func:`router.policy.decide`. A prompt the router cannot tokenize (a content type it does
+not know, a template that rejects the conversation) is routed on load alone: the engine, not
+the router, decides whether it is valid.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from router.replicas import Replica, ReplicaSet
 from router.requests import PromptRequest
 from router.reuse import ReuseBook
 from router.tokenize import PromptTokenizer
-from tracker.blocks import Namespace, block_keys
+from tracker.blocks import ChainCache, Namespace
 from tracker.errors import ConfigError
 from tracker.index import Home, Match, Residency
 from tracker.tokens import TokenizationError, Tokenizer, load_chat_template
@@ -149,6 +150,8 @@ class Placer:
         self.occupancy = OccupancyBook(half_life) if half_life > 0 else None
         self._mixed: set[str] = set()
         self._policies: dict[int, PolicyConfig] = {}
+        # keys of recent long prompts: a repeated prefix is compared, not hashed again
+        self._chains = ChainCache()
 
     def resolve_model(self, model: str | None) -> tuple[str, str | None]:
         """The model a request is for (the only one served when it names none), and the
@@ -231,7 +234,7 @@ class Placer:
         tokenized = time.perf_counter()
         stages["tokenize"] = tokenized - started
         extra = [(request.cache_salt,)] if request.cache_salt is not None else None
-        keys = block_keys(ids, namespace, extra_keys=extra)
+        keys = self._chains.keys(ids, namespace, extra_keys=extra)
         hashed = time.perf_counter()
         stages["hash"] = hashed - tokenized
         view = await self.shared.view(namespace, keys)

@@ -9,7 +9,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracker.blocks import Namespace, block_keys, namespace_seed, token_bytes
+from tracker.blocks import ChainCache, Namespace, block_keys, namespace_seed, token_bytes
 
 NS = Namespace("llama", 4)
 TOKENS = list(range(100, 132))  # 8 blocks of 4
@@ -156,3 +156,46 @@ def test_token_order_and_value_matter() -> None:
 def test_out_of_range_tokens_raise(bad: list[int]) -> None:
     with pytest.raises(OverflowError):
         block_keys(bad, NS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 4_000), st.integers(0, 700)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_chain_cache_gives_block_keys_exactly(plan: list[tuple[int, int, int]]) -> None:
+    """Prompts that share prefixes of every length with earlier ones, differ inside a block,
+    outgrow the cache or come from another namespace: always block_keys' answer."""
+    bases = [[(7 * b + i) % 50_000 for i in range(4_000)] for b in range(4)]
+    cache = ChainCache(max_blocks=400, min_blocks=4)
+    for base, cut, extra in plan:
+        tokens = bases[base][:cut] + [(cut + i) % 997 for i in range(extra)]
+        namespace = NS if base % 2 else Namespace("other", 32)
+        assert cache.keys(tokens, namespace) == block_keys(tokens, namespace)
+        assert cache.blocks <= cache.max_blocks
+
+
+def test_chain_cache_reuses_a_repeated_prefix_and_stays_bounded() -> None:
+    cache = ChainCache(max_blocks=1_000, min_blocks=4)
+    ns16 = Namespace("llama", 16)
+    system = list(range(16 * 300))
+    cache.keys([*system, 1, 2, 3], ns16)
+    assert cache.reused == 0
+    # a new question after the same system prompt: its 300 blocks are reused, not hashed
+    assert cache.keys([*system, *range(50)], ns16) == block_keys([*system, *range(50)], ns16)
+    assert cache.reused == 300
+    # a change inside block 100: blocks 0..99 reused
+    changed = [*system[:1_605], 0, *system[1_606:]]
+    assert cache.keys(changed, ns16) == block_keys(changed, ns16)
+    assert cache.reused == 400
+    # extra keys (a cache salt) and short prompts are hashed in full, never cached
+    salted = cache.keys(system, ns16, extra_keys=[("salt",)])
+    assert salted == block_keys(system, ns16, extra_keys=[("salt",)]) and cache.reused == 400
+    for start in range(0, 4_000, 1_000):  # other prefixes push the oldest out
+        cache.keys(list(range(start + 100_000, start + 100_000 + 16 * 300)), ns16)
+    assert cache.blocks <= 1_000
+    with pytest.raises(ValueError):
+        ChainCache(min_blocks=0)
