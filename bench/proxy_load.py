@@ -288,24 +288,40 @@ async def drive(stack: LocalStack, settings: ProxySettings) -> dict[str, Any]:
     return out
 
 
+def fast_engines(
+    step_ms: float,
+    time_scale: float,
+    *,
+    routers: int,
+    router_args: Sequence[str] = (),
+    replica_args: Sequence[str] = (),
+    replica_processes: bool = False,
+) -> StackConfig:
+    """Two simulated engines whose every step takes ``step_ms`` real milliseconds (the floor
+    dominates: streams chunk at that pace, and the engines are not the bottleneck), with Redis
+    and the tracker, and ``routers`` kvrouter routers: the data-path benchmarks' stack."""
+    return StackConfig(
+        replicas=2,
+        routers=routers,
+        redis=True,
+        haproxy=False,
+        time_scale=time_scale,
+        num_blocks=16_384,
+        router_args=tuple(router_args),
+        replica_args=("--max-num-seqs", "512", "--floor-ms", str(step_ms / time_scale),
+                      *replica_args),
+        replica_processes=replica_processes,
+    )  # fmt: skip
+
+
 def measure(settings: ProxySettings) -> dict[str, Any]:
     """Start the stack, drive it, stop it; the results with the setup."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    config = StackConfig(
-        replicas=2,
+    config = fast_engines(
+        settings.step_ms,
+        settings.time_scale,
         routers=1,
-        redis=True,
-        haproxy=False,
-        time_scale=settings.time_scale,
-        num_blocks=16_384,
         router_args=("--workers", str(settings.workers)),
-        # every engine step takes step_ms (the floor dominates): streams chunk at that pace
-        replica_args=(
-            "--max-num-seqs",
-            "512",
-            "--floor-ms",
-            str(settings.step_ms / settings.time_scale),
-        ),
     )
     with LocalStack(config) as stack:
         results = asyncio.run(drive(stack, settings))

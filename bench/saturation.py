@@ -39,8 +39,8 @@ import httpx
 
 from bench.overhead import start_peers
 from bench.peers import installed
-from bench.proxy_load import Bodies, Target, cpu_seconds, one_stream, percentile
-from bench.stack import LocalStack, StackConfig, kvrouter_bin, port_block
+from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, one_stream, percentile
+from bench.stack import LocalStack, kvrouter_bin, port_block
 from router.upstream import KEEPALIVE_EXPIRY_S
 
 DIRECT: Final = "direct"
@@ -224,20 +224,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         output_tokens=args.output_tokens,
         step_ms=args.step_ms,
     )
-    config = StackConfig(
-        replicas=2,
+    # one process per engine; vllm-kv needs the replay's topic layout
+    config = fast_engines(
+        plan.step_ms,
+        plan.time_scale,
         routers=0,
-        redis=True,
-        haproxy=False,
-        time_scale=plan.time_scale,
-        num_blocks=16_384,
+        replica_args=("--replay-layout", "topic"),
         replica_processes=True,
-        # every engine step takes step_ms (the floor dominates); vllm-kv needs the topic layout
-        replica_args=(
-            "--max-num-seqs", "512", "--floor-ms", str(plan.step_ms / plan.time_scale),
-            "--replay-layout", "topic",
-        ),
-    )  # fmt: skip
+    )
     with LocalStack(config).start() as stack:
         targets: dict[str, list[str]] = {DIRECT: stack.replica_urls}
         pids: dict[str, int | None] = {}
