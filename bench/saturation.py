@@ -179,12 +179,14 @@ def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
-def _router_argv(stack: LocalStack, port: int, workers: int) -> list[str]:
+def _router_argv(
+    stack: LocalStack, port: int, workers: int, extra: Sequence[str] = ()
+) -> list[str]:
     assert stack.redis_url is not None
     return [
         kvrouter_bin(), "router", "--port", str(port), "--router-id", f"kvrouter-w{workers}",
         "--model", stack.config.model, "--block-size", str(stack.config.block_size),
-        "--redis", stack.redis_url, "--workers", str(workers),
+        "--redis", stack.redis_url, "--workers", str(workers), *extra,
     ]  # fmt: skip
 
 
@@ -208,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step-ms", type=float, default=Plan.step_ms, help="engine step (real)")
     parser.add_argument("--workers", default="1,2", help="kvrouter arms: --workers of each")
     parser.add_argument("--peers", default="smg,vllm-kv,vllm-cache", help="peer arms ('' for none)")
+    parser.add_argument("--router-args", default="", help="extra kvrouter router flags")
     parser.add_argument("--json", type=Path, help="write the report here too")
     args = parser.parse_args(argv)
     try:
@@ -239,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, count in enumerate(workers):
             name, port = f"kvrouter-w{count}", base + i
             url = f"http://127.0.0.1:{port}"
-            stack.spawn(name, _router_argv(stack, port, count), f"{url}/health")
+            argv_ = _router_argv(stack, port, count, args.router_args.split())
+            stack.spawn(name, argv_, f"{url}/health")
             _wait_replicas(url, config.replicas)
             targets[name] = [url]
             pids[name] = stack.pid(name)
