@@ -40,7 +40,7 @@ from bench.peers import PEERS, PeerArm, Worker, executable
 from bench.stack import LocalStack, StackConfig, StackError
 from bench.workloads import Workload
 from publishers.latency import LatencyProfile, load_profile
-from router.policy import SpeedEstimate
+from router.policy import PolicyConfig, SpeedEstimate
 
 POLICY_FLAGS: Final = {
     "round-robin": "round-robin",
@@ -99,19 +99,28 @@ class FleetConfig:
     seed: int = 1
 
     def prefill_seed_args(self) -> tuple[str, ...]:
-        """The routers' prefill-speed seed for these engines, as a deployment seeds its own
-        from calibration: a lone prompt's simulated prefill (chunked as the engines chunk
-        it) at 1k and 8k tokens, in the real milliseconds the engines take at this time
-        scale. The default seed is an H200's: 3x too fast for engines at time scale 3,
-        and the slope is learned only from the rare cold prefills (docs/architecture.md)."""
+        """The routers' engine-time constants for these engines, as a deployment seeds its own
+        from calibration: the prefill-speed seed, a lone prompt's simulated prefill (chunked
+        as the engines chunk it) at 1k and 8k tokens, in the real milliseconds the engines
+        take at this time scale; and the policy's other durations (the KV-full penalty, the
+        decode cost of a running request), ``time_scale`` times an H200's. The defaults are
+        an H200's: 3x too fast for engines at time scale 3. The slope is learned only from
+        the rare cold prefills (docs/architecture.md); the other two are not learned, and
+        unscaled they made a full home look a third as slow as it was (load 50 %: TTFT p95
+        582 ms against 169 scaled, docs/benchmarks.md)."""
         speed = lone_prefill_speed(
             load_profile(self.profile), self.max_num_batched_tokens, self.time_scale
         )
+        policy = PolicyConfig()
         return (
             "--prefill-floor-ms",
             f"{speed.floor_ms:.3f}",
             "--prefill-ms-per-token",
             f"{speed.prefill_ms_per_token:.6f}",
+            "--kv-full-penalty-ms",
+            f"{policy.kv_full_penalty_ms * self.time_scale:.3f}",
+            "--decode-ms-per-request",
+            f"{policy.decode_ms_per_request * self.time_scale:.6f}",
         )
 
     def stack(self) -> StackConfig:

@@ -105,6 +105,14 @@ class RouterSettings(ServiceSettings):
         "times the prefill it causes again, times 1 + the fleet's mean requests in flight "
         "(1: no such cost)",
     )
+    kv_full_penalty_ms: float = setting(
+        250.0,
+        "ttft policy: expected wait at full projected KV usage (growing linearly from the "
+        "0.9 watermark, up to 5x at 1.5); like the prefill seed, in the engines' time",
+    )
+    decode_ms_per_request: float = setting(
+        0.05, "ttft policy: ms each running request adds to an engine step (its KV read)"
+    )
     prefill_floor_ms: float = setting(
         DEFAULT_SPEED.floor_ms,
         "seed of the learned prefill speed: ms a prefill costs besides its tokens "
@@ -223,6 +231,8 @@ class RouterSettings(ServiceSettings):
             "seed_user_chars",
             "sglang_balance_abs_threshold",
             "default_output_tokens",
+            "kv_full_penalty_ms",
+            "decode_ms_per_request",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
@@ -284,4 +294,6 @@ class RouterSettings(ServiceSettings):
             tie_epsilon_ms=self.tie_epsilon_ms,
             tie_ratio=self.tie_ratio,
             miss_weight=self.miss_weight,
+            kv_full_penalty_ms=self.kv_full_penalty_ms,
+            decode_ms_per_request=self.decode_ms_per_request,
         )

@@ -6,7 +6,7 @@ import pytest
 
 from bench.harness import FleetConfig, lone_prefill_speed
 from publishers.latency import load_profile
-from router.policy import DEFAULT_SPEED
+from router.policy import DEFAULT_SPEED, PolicyConfig
 
 
 def test_the_simulated_h200_prefills_at_the_calibrated_speed() -> None:
@@ -24,4 +24,10 @@ def test_routers_are_seeded_for_the_time_scale_and_later_flags_win() -> None:
     flags = list(args.router_args)
     seeded = float(flags[flags.index("--prefill-ms-per-token") + 1])
     assert seeded == pytest.approx(3 * DEFAULT_SPEED.prefill_ms_per_token, 0.05)
+    # the policy's other engine-time constants scale with the engines too
+    policy = PolicyConfig()
+    penalty = float(flags[flags.index("--kv-full-penalty-ms") + 1])
+    assert penalty == pytest.approx(3 * policy.kv_full_penalty_ms)
+    decode = float(flags[flags.index("--decode-ms-per-request") + 1])
+    assert decode == pytest.approx(3 * policy.decode_ms_per_request)
     assert flags[-2:] == ["--prefill-ms-per-token", "1"]  # the user's, last: argparse keeps it
