@@ -185,7 +185,7 @@ class ChainCache:
         while self.blocks > self.max_blocks:
             _, dropped = self._entries.pop(next(iter(self._entries)))
             self.blocks -= len(dropped)
-        return keys
+        return keys.copy()  # the caller's to keep or change; the cache keeps its own
 
 
 _COMPARE_BLOCKS: Final = 256
