@@ -12,6 +12,8 @@ from tracker.errors import ConfigError
 from tracker.replicas import ReplicaSpec
 from tracker.settings import setting
 
+_POLICY: Final = PolicyConfig()  # the policy's own defaults, for the settings that seed it
+
 POLICIES: Final = ("ttft", "linear", "round-robin", "least-load", "seed", "sglang", "oracle")
 
 
@@ -106,12 +108,13 @@ class RouterSettings(ServiceSettings):
         "(1: no such cost)",
     )
     kv_full_penalty_ms: float = setting(
-        250.0,
+        _POLICY.kv_full_penalty_ms,
         "ttft policy: expected wait at full projected KV usage (growing linearly from the "
         "0.9 watermark, up to 5x at 1.5); like the prefill seed, in the engines' time",
     )
     decode_ms_per_request: float = setting(
-        0.05, "ttft policy: ms each running request adds to an engine step (its KV read)"
+        _POLICY.decode_ms_per_request,
+        "ttft policy: ms each running request adds to an engine step (its KV read)",
     )
     prefill_floor_ms: float = setting(
         DEFAULT_SPEED.floor_ms,
