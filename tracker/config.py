@@ -58,6 +58,16 @@ class TrackerSettings(ServiceSettings):
         "its live stream is silent (they are applied, and polled every second meanwhile); 0: off",
     )
     reap_interval_s: float = setting(2.0, "how often to expire replicas that stopped heartbeating")
+    memory_budget_mb: float = setting(
+        0.0,
+        "Redis memory the index may use, in MiB (its used_memory: Redis dedicated to "
+        "kvrouter); above it /health says degraded and the log warns; 0: no budget",
+    )
+    memory_check_s: float = setting(
+        10.0,
+        "how often to read Redis's memory use and eviction policy (a policy that evicts "
+        "index keys stops the tracker at start and degrades /health later)",
+    )
     shutdown_timeout_s: float = setting(5.0, "graceful shutdown budget")
 
     def __post_init__(self) -> None:
@@ -69,6 +79,10 @@ class TrackerSettings(ServiceSettings):
             raise ValueError("max_replays must be positive")
         if not self.silence_check_s >= 0:
             raise ValueError("silence_check_s must be >= 0")
+        if not self.memory_budget_mb >= 0:
+            raise ValueError("memory_budget_mb must be >= 0")
+        if not self.memory_check_s > 0:
+            raise ValueError("memory_check_s must be positive")
 
     @property
     def replica_specs(self) -> list[ReplicaSpec]:

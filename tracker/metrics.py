@@ -154,6 +154,21 @@ class TrackerMetrics:
             "Replicas currently tracked",
             registry=registry,
         )
+        self.redis_memory = Gauge(
+            "kvrouter_tracker_redis_memory_used_bytes",
+            "Redis used_memory at the last check (the index, on a Redis dedicated to kvrouter)",
+            registry=registry,
+        )
+        self.memory_budget = Gauge(
+            "kvrouter_tracker_redis_memory_budget_bytes",
+            "The index's configured Redis memory budget (0: none)",
+            registry=registry,
+        )
+        self.evicting_policy = Gauge(
+            "kvrouter_tracker_redis_evicting_policy",
+            "1 while Redis's maxmemory-policy would evict index keys (allkeys-*)",
+            registry=registry,
+        )
         for cause in RESET_CAUSES:
             self.resets.labels(cause)
         for outcome in REPLAY_OUTCOMES:

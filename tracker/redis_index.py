@@ -18,6 +18,7 @@ import logging
 import sys
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
@@ -43,6 +44,30 @@ _TIERS: Final = [bytes((t,)) for t in range(4)]
 _DELETE: Final = b"\x00" * 13
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _record_decoder = msgspec.json.Decoder(ReplicaRecord)
+
+EVICTING_POLICIES: Final = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
+"""``maxmemory-policy`` values under which Redis evicts keys without a TTL: the index's."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisMemory:
+    """Redis's memory as ``INFO memory`` reports it (which managed Redis allows where it
+    disables ``CONFIG``).
+
+    :param policy: ``maxmemory-policy``; only :data:`EVICTING_POLICIES` evict index keys
+        (the ``volatile-*`` ones evict only keys with a TTL: routers' leases and load).
+    :param used_bytes: ``used_memory``: the index, when Redis is dedicated to kvrouter.
+    :param max_bytes: ``maxmemory`` (0: no limit).
+    """
+
+    policy: str
+    used_bytes: int
+    max_bytes: int
+
+    @property
+    def evicts_index(self) -> bool:
+        """Whether Redis, once at ``maxmemory``, would evict index keys."""
+        return self.policy in EVICTING_POLICIES
 
 
 def _ms(seconds: float) -> int:
@@ -497,6 +522,18 @@ class RedisIndex:
 
     async def reap(self) -> list[ReplicaRecord]:
         return await self._registry_call("reap")
+
+    async def memory(self) -> RedisMemory:
+        """Redis's eviction policy and memory use.
+
+        :raises IndexUnavailableError: if Redis does not answer.
+        """
+        info = await self._call("info memory", self.client.info("memory"))
+        return RedisMemory(
+            policy=str(info.get("maxmemory_policy", "noeviction")),
+            used_bytes=int(info.get("used_memory", 0)),
+            max_bytes=int(info.get("maxmemory", 0)),
+        )
 
     async def ping(self) -> bool:
         try:

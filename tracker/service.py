@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import zmq
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -31,12 +31,20 @@ from tracker.metrics import TrackerMetrics
 from tracker.streams import ReplicaTarget
 from tracker.subscriber import Subscriber
 
+if TYPE_CHECKING:
+    from tracker.redis_index import RedisMemory
+
 logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
 class _Pinging(Protocol):
     async def ping(self) -> bool: ...
+
+
+@runtime_checkable
+class _Metered(Protocol):
+    async def memory(self) -> RedisMemory: ...
 
 
 def static_targets(settings: TrackerSettings) -> list[ReplicaTarget]:
@@ -88,6 +96,8 @@ class TrackerService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._http: HTTPServer | None = None
         self._failure: BaseException | None = None
+        self._memory: RedisMemory | None = None
+        self._memory_problem: str | None = None
         self._started = False
         self._stopped = False
 
@@ -96,10 +106,13 @@ class TrackerService:
     async def start(self) -> None:
         """Bind sockets, start the static replicas, the registry loop and the HTTP server."""
         self._started = True
+        await self._check_memory(at_start=True)
         await self.subscriber.start()
         for target in self._static.values():
             self.subscriber.track(target)
         self._spawn(self._registry_loop(), "registry")
+        if isinstance(self.index, _Metered):
+            self._spawn(self._memory_loop(), "memory")
         if self.settings.http_port:
             await self._start_http()
         if self.freeze:
@@ -173,6 +186,60 @@ class TrackerService:
         if self._failure is None:
             self._failure = exc
         self.request_stop()
+
+    # ----------------------------------------------------------- redis memory
+
+    async def _memory_loop(self) -> None:
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.memory_check_s):
+                    await self._stopping.wait()
+            if not self._stopping.is_set():
+                await self._check_memory()
+
+    async def _check_memory(self, *, at_start: bool = False) -> None:
+        """Read Redis's eviction policy and memory use: a policy that evicts index keys
+        refuses the start (routers would route on an index silently missing placements)
+        and degrades ``/health`` if it appears later, as does use over the budget."""
+        if not isinstance(self.index, _Metered):
+            return
+        try:
+            memory = await self.index.memory()
+        except IndexUnavailableError as exc:
+            if at_start:
+                logger.warning(
+                    "cannot read Redis's memory policy yet; checking again later",
+                    extra={"error": str(exc)},
+                )
+            return
+        budget = int(self.settings.memory_budget_mb * 2**20)
+        self._memory = memory
+        self.metrics.redis_memory.set(memory.used_bytes)
+        self.metrics.memory_budget.set(budget)
+        self.metrics.evicting_policy.set(1 if memory.evicts_index else 0)
+        problem: str | None = None
+        if memory.evicts_index:
+            problem = (
+                f"Redis maxmemory-policy is {memory.policy}: at maxmemory it evicts index "
+                "keys and routers would route on an index silently missing placements; set "
+                "'maxmemory-policy noeviction' on a Redis dedicated to kvrouter"
+            )
+            if at_start:
+                raise ConfigError(problem)
+        elif budget and memory.used_bytes > budget:
+            problem = (
+                f"Redis uses {memory.used_bytes / 2**20:.1f} MiB, over the index's budget of "
+                f"{self.settings.memory_budget_mb:g} MiB (--memory-budget-mb)"
+            )
+        if problem != self._memory_problem:
+            if problem:
+                logger.error(
+                    "redis memory out of bounds",
+                    extra={"problem": problem, "policy": memory.policy},
+                )
+            else:
+                logger.info("redis memory within bounds again", extra={"policy": memory.policy})
+        self._memory_problem = problem
 
     # ----------------------------------------------------------- registry
 
@@ -322,13 +389,23 @@ class TrackerService:
             except TimeoutError:
                 reachable = False
         ok = reachable and self._failure is None and not self._stopping.is_set()
+        index: dict[str, Any] = {
+            "backend": type(self.index).__name__,
+            "reachable": reachable,
+            "writes_pending": self.subscriber.index_down,
+        }
+        if self._memory is not None:
+            index["memory"] = {
+                "policy": self._memory.policy,
+                "used_bytes": self._memory.used_bytes,
+                "max_bytes": self._memory.max_bytes,
+                "budget_bytes": int(self.settings.memory_budget_mb * 2**20),
+                "problem": self._memory_problem,
+            }
+            ok = ok and self._memory_problem is None
         return {
             "status": "ok" if ok else "degraded",
-            "index": {
-                "backend": type(self.index).__name__,
-                "reachable": reachable,
-                "writes_pending": self.subscriber.index_down,
-            },
+            "index": index,
             "replicas": self.subscriber.status(),
         }
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
+import redis
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -266,3 +267,103 @@ async def test_run_returns_one_when_startup_fails() -> None:
     finally:
         taken.close(linger=0)
         context.destroy(linger=0)
+
+
+@pytest.fixture
+def eviction_policy(redis_url: str) -> Iterator[Callable[[str], None]]:
+    """Sets the session redis-server's maxmemory-policy; noeviction again afterwards."""
+    client = redis.Redis.from_url(redis_url)
+
+    def set_policy(policy: str) -> None:
+        client.config_set("maxmemory-policy", policy)
+
+    yield set_policy
+    set_policy("noeviction")
+    client.close()
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "allkeys-lfu", "allkeys-random"])
+async def test_a_redis_that_would_evict_index_keys_is_refused_at_start(
+    redis_url: str,
+    eviction_policy: Callable[[str], None],
+    policy: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    eviction_policy(policy)
+    index = RedisIndex.from_url(redis_url)
+    try:
+        service = TrackerService(settings(http_port=free_port()), index, CollectorRegistry())
+        async with asyncio.timeout(5):
+            assert await service.run() == 1
+    finally:
+        await index.close()
+    errors = [str(getattr(r, "error", "")) for r in caplog.records]
+    why = next(e for e in errors if f"maxmemory-policy is {policy}" in e)
+    assert "set 'maxmemory-policy noeviction'" in why  # and what to do about it
+
+
+async def test_redis_memory_in_health_and_metrics_budget_and_a_policy_changed_later(
+    make_service: Any, redis_index: RedisIndex, eviction_policy: Callable[[str], None]
+) -> None:
+    # volatile-* policies evict only keys with a TTL (leases, load), never the index's
+    eviction_policy("volatile-lru")
+    service = await make_service(redis_index, http_port=free_port(), memory_check_s=0.05)
+    base = f"http://127.0.0.1:{service.http_port}"
+    async with httpx.AsyncClient(base_url=base) as client:
+        body = (await client.get("/health")).json()
+        assert body["status"] == "ok"
+        memory = body["index"]["memory"]
+        assert memory["policy"] == "volatile-lru" and memory["problem"] is None
+        assert memory["used_bytes"] > 0 and memory["budget_bytes"] == 0
+
+        eviction_policy("allkeys-lru")  # an operator changes it while the tracker runs
+
+        async def degraded() -> bool:
+            response = await client.get("/health")
+            return response.status_code == 503
+
+        await wait_until(degraded)
+        problem = (await client.get("/health")).json()["index"]["memory"]["problem"]
+        assert "allkeys-lru" in problem
+        samples = {
+            s.name: s.value
+            for family in text_string_to_metric_families((await client.get("/metrics")).text)
+            for s in family.samples
+        }
+        assert samples["kvrouter_tracker_redis_evicting_policy"] == 1
+        assert samples["kvrouter_tracker_redis_memory_used_bytes"] > 0
+        eviction_policy("noeviction")
+
+        async def healthy() -> bool:
+            return (await client.get("/health")).status_code == 200
+
+        await wait_until(healthy)
+
+
+async def test_redis_memory_over_the_budget_degrades_health(
+    make_service: Any, redis_index: RedisIndex
+) -> None:
+    # a budget of 1 KiB: any redis-server uses more than that
+    service = await make_service(redis_index, http_port=free_port(), memory_budget_mb=1 / 1024)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.http_port}") as client:
+        response = await client.get("/health")
+        scraped = await client.get("/metrics")
+    assert response.status_code == 503
+    memory = response.json()["index"]["memory"]
+    assert memory["budget_bytes"] == 1024
+    assert "over the index's budget of 0.000976562 MiB" in memory["problem"]
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(scraped.text)
+        for s in family.samples
+    }
+    assert samples["kvrouter_tracker_redis_memory_budget_bytes"] == 1024
+    assert samples["kvrouter_tracker_redis_memory_used_bytes"] > 1024
+    assert samples["kvrouter_tracker_redis_evicting_policy"] == 0
+
+
+def test_memory_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="memory_budget_mb"):
+        settings(memory_budget_mb=-1)
+    with pytest.raises(ValueError, match="memory_check_s"):
+        settings(memory_check_s=0)
