@@ -189,6 +189,10 @@ class TrackerService:
 
     # ----------------------------------------------------------- redis memory
 
+    @property
+    def _budget_bytes(self) -> int:
+        return int(self.settings.memory_budget_mb * 2**20)
+
     async def _memory_loop(self) -> None:
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
@@ -212,7 +216,7 @@ class TrackerService:
                     extra={"error": str(exc)},
                 )
             return
-        budget = int(self.settings.memory_budget_mb * 2**20)
+        budget = self._budget_bytes
         self._memory = memory
         self.metrics.redis_memory.set(memory.used_bytes)
         self.metrics.memory_budget.set(budget)
@@ -399,7 +403,7 @@ class TrackerService:
                 "policy": self._memory.policy,
                 "used_bytes": self._memory.used_bytes,
                 "max_bytes": self._memory.max_bytes,
-                "budget_bytes": int(self.settings.memory_budget_mb * 2**20),
+                "budget_bytes": self._budget_bytes,
                 "problem": self._memory_problem,
             }
             ok = ok and self._memory_problem is None
