@@ -1,4 +1,5 @@
-"""Index benchmark: ingest throughput, lookup latency and Redis memory per (block, replica).
+"""Index benchmark: ingest throughput, lookup latency, Redis memory per (block, replica), and
+what one Redis primary serves (blocks applied and router requests per Redis core-second).
 
 Run: ``.venv/bin/python -m bench.index_bench`` (starts its own redis-server on loopback, or
 pass ``--redis URL``). Reports one JSON document and a table; targets are from issue 2:
@@ -104,6 +105,68 @@ async def lookup_latency(
     }
 
 
+def redis_cpu_s(url: str) -> float:
+    """CPU seconds the redis-server process has used (user + system), from ``INFO cpu``."""
+    with redis_sync.Redis.from_url(url) as client:
+        info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+async def request_capacity(
+    index: RedisIndex,
+    url: str,
+    chain_blocks: int,
+    *,
+    new_share: float,
+    concurrency: int,
+    seconds: float,
+) -> dict[str, float]:
+    """What one Redis primary serves of the router's per-request work: the lookup with every
+    router's load (one ``EVALSHA``) and the routing write (one more: predictions for the
+    ``new_share`` of the prompt's blocks the chosen replica does not hold yet, as the router
+    predicts only those, and the home claim), for a prompt of ``chain_blocks`` blocks that 8
+    replicas hold to varying depth.
+
+    Redis CPU per request is measured from ``INFO cpu`` (the client here shares the machine,
+    so requests/s is what this client reached; ``capacity_per_s`` is what one Redis core
+    would serve: requests over Redis CPU seconds)."""
+    rng = random.Random(chain_blocks)
+    bs = NAMESPACE.block_size
+    tokens = [rng.randrange(128_000) for _ in range(chain_blocks * bs)]
+    for r in range(8):
+        depth = chain_blocks if r == 0 else rng.randrange(1, chain_blocks + 1)
+        hashes: list[ExternalHash] = [rng.getrandbits(64) for _ in range(depth)]
+        batch = EventBatch(time.time(), [BlockStored(hashes, None, tokens[: depth * bs], bs)], 0)
+        await index.apply(f"capacity-{r}", NAMESPACE, batch)
+    keys = block_keys(tokens, NAMESPACE)
+    anchors = keys[:: max(1, len(keys) // 8)]
+    new = keys[len(keys) - max(1, round(len(keys) * new_share)) :]
+    done = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+
+    async def client(n: int) -> None:
+        nonlocal done
+        while loop.time() < deadline:
+            await index.survey(NAMESPACE, keys, load_except=f"bench-router-{n}")
+            await index.route(
+                NAMESPACE, f"capacity-{n % 8}", new, ttl_s=3.0, anchors=anchors, home_ttl_s=60.0
+            )
+            done += 1
+
+    cpu, start = redis_cpu_s(url), time.perf_counter()
+    await asyncio.gather(*(client(n) for n in range(concurrency)))
+    wall, cpu = time.perf_counter() - start, redis_cpu_s(url) - cpu
+    return {
+        "chain_blocks": chain_blocks,
+        "new_share": new_share,
+        "requests_per_s": done / wall,
+        "redis_cpu_ms_per_request": cpu * 1e3 / done,
+        "capacity_per_s": done / cpu if cpu > 0 else float("inf"),
+        "redis_cpu_share": cpu / wall,
+    }
+
+
 async def memory_per_block(url: str, blocks: int) -> float:
     """Redis bytes per block for ``blocks`` distinct blocks on ONE replica (no sharing)."""
     payloads, _ = workload(
@@ -156,14 +219,31 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             client.flushall()
             before = int(client.info("memory")["used_memory"])
         index = RedisIndex.from_url(url)
+        cpu = redis_cpu_s(url)
         seconds = await ingest(index, payloads)
+        ingest_cpu = redis_cpu_s(url) - cpu
         with redis_sync.Redis.from_url(url) as client:
             after = int(client.info("memory")["used_memory"])
         lookup = await lookup_latency(index, 512, 8, args.iterations, 2)
+        capacity = [
+            await request_capacity(
+                index,
+                url,
+                blocks,
+                new_share=share,
+                concurrency=args.concurrency,
+                seconds=args.seconds,
+            )
+            for blocks in (128, 512, 6400)
+            for share in (0.1, 1.0)
+        ]
         await index.close()
         results["redis"] = {
             "ingest_blocks_per_s": pairs / seconds,
+            "ingest_redis_cpu_us_per_block": ingest_cpu * 1e6 / pairs,
+            "ingest_capacity_blocks_per_s": pairs / ingest_cpu if ingest_cpu > 0 else None,
             "lookup": lookup,
+            "requests": capacity,
             "bytes_per_block_replica": (after - before) / pairs,
             "used_memory_delta_bytes": after - before,
             "bytes_per_block_one_replica": {
@@ -193,7 +273,22 @@ def report(results: dict[str, Any]) -> str:
             "p99 <= 1",
         ),
         ("Redis bytes per (block, replica)", f"{red['bytes_per_block_replica']:.1f}", "<= 100"),
+        (
+            "ingest: Redis CPU per block (us) / blocks per Redis core-second",
+            f"{red['ingest_redis_cpu_us_per_block']:.2f} / "
+            f"{red['ingest_capacity_blocks_per_s'] or 0:,.0f}",
+            "-",
+        ),
     ]
+    for cap in red["requests"]:
+        rows.append(
+            (
+                f"router request, {cap['chain_blocks']:,}-block prompt, "
+                f"{cap['new_share']:.0%} new: Redis CPU (ms) / requests per Redis core-second",
+                f"{cap['redis_cpu_ms_per_request']:.3f} / {cap['capacity_per_s']:,.0f}",
+                "-",
+            )
+        )
     for n, value in red["bytes_per_block_one_replica"].items():
         rows.append(
             (f"  one replica, {int(n):,} unshared blocks: bytes/block", f"{value:.1f}", "-")
@@ -213,6 +308,10 @@ def main() -> None:
     parser.add_argument("--suffixes", type=int, default=8)
     parser.add_argument("--suffix-blocks", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument(
+        "--concurrency", type=int, default=16, help="router requests in flight (capacity stage)"
+    )
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each capacity run")
     parser.add_argument("--json", type=Path, default=Path("bench/results/index.json"))
     args = parser.parse_args()
     results = asyncio.run(main_async(args))
