@@ -325,13 +325,8 @@ async def test_redis_memory_in_health_and_metrics_budget_and_a_policy_changed_la
         await wait_until(degraded)
         problem = (await client.get("/health")).json()["index"]["memory"]["problem"]
         assert "allkeys-lru" in problem
-        samples = {
-            s.name: s.value
-            for family in text_string_to_metric_families((await client.get("/metrics")).text)
-            for s in family.samples
-        }
-        assert samples["kvrouter_tracker_redis_evicting_policy"] == 1
-        assert samples["kvrouter_tracker_redis_memory_used_bytes"] > 0
+        assert sample(service.registry, "kvrouter_tracker_redis_evicting_policy") == 1
+        assert sample(service.registry, "kvrouter_tracker_redis_memory_used_bytes") > 0
         eviction_policy("noeviction")
 
         async def healthy() -> bool:
@@ -347,19 +342,13 @@ async def test_redis_memory_over_the_budget_degrades_health(
     service = await make_service(redis_index, http_port=free_port(), memory_budget_mb=1 / 1024)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.http_port}") as client:
         response = await client.get("/health")
-        scraped = await client.get("/metrics")
     assert response.status_code == 503
     memory = response.json()["index"]["memory"]
     assert memory["budget_bytes"] == 1024
     assert "over the index's budget of 0.000976562 MiB" in memory["problem"]
-    samples = {
-        s.name: s.value
-        for family in text_string_to_metric_families(scraped.text)
-        for s in family.samples
-    }
-    assert samples["kvrouter_tracker_redis_memory_budget_bytes"] == 1024
-    assert samples["kvrouter_tracker_redis_memory_used_bytes"] > 1024
-    assert samples["kvrouter_tracker_redis_evicting_policy"] == 0
+    assert sample(service.registry, "kvrouter_tracker_redis_memory_budget_bytes") == 1024
+    assert sample(service.registry, "kvrouter_tracker_redis_memory_used_bytes") > 1024
+    assert service.registry.get_sample_value("kvrouter_tracker_redis_evicting_policy") == 0
 
 
 def test_memory_settings_are_checked() -> None:
