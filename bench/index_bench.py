@@ -78,19 +78,26 @@ async def ingest(index: BlockIndex, payloads: dict[str, list[bytes]]) -> float:
     return time.perf_counter() - start
 
 
-async def lookup_latency(
-    index: BlockIndex, chain_blocks: int, replicas: int, iterations: int, seed: int
-) -> dict[str, float]:
-    """Latency of looking up a chain of ``chain_blocks`` that ``replicas`` hold to varying depth."""
-    rng = random.Random(seed)
+async def place_chain(
+    index: BlockIndex, chain_blocks: int, replicas: int, rng: random.Random, prefix: str
+) -> list[int]:
+    """A random prompt of ``chain_blocks`` blocks, stored whole on ``{prefix}-0`` and to a
+    random depth on the other replicas; returns its block keys."""
     bs = NAMESPACE.block_size
     tokens = [rng.randrange(128_000) for _ in range(chain_blocks * bs)]
     for r in range(replicas):
         depth = chain_blocks if r == 0 else rng.randrange(1, chain_blocks)
         hashes: list[ExternalHash] = [rng.getrandbits(64) for _ in range(depth)]
         batch = EventBatch(time.time(), [BlockStored(hashes, None, tokens[: depth * bs], bs)], 0)
-        await index.apply(f"lookup-{r}", NAMESPACE, batch)
-    keys = block_keys(tokens, NAMESPACE)
+        await index.apply(f"{prefix}-{r}", NAMESPACE, batch)
+    return block_keys(tokens, NAMESPACE)
+
+
+async def lookup_latency(
+    index: BlockIndex, chain_blocks: int, replicas: int, iterations: int, seed: int
+) -> dict[str, float]:
+    """Latency of looking up a chain of ``chain_blocks`` that ``replicas`` hold to varying depth."""
+    keys = await place_chain(index, chain_blocks, replicas, random.Random(seed), "lookup")
     samples = []
     for _ in range(iterations):
         start = time.perf_counter()
@@ -130,15 +137,7 @@ async def request_capacity(
     Redis CPU per request is measured from ``INFO cpu`` (the client here shares the machine,
     so requests/s is what this client reached; ``capacity_per_s`` is what one Redis core
     would serve: requests over Redis CPU seconds)."""
-    rng = random.Random(chain_blocks)
-    bs = NAMESPACE.block_size
-    tokens = [rng.randrange(128_000) for _ in range(chain_blocks * bs)]
-    for r in range(8):
-        depth = chain_blocks if r == 0 else rng.randrange(1, chain_blocks + 1)
-        hashes: list[ExternalHash] = [rng.getrandbits(64) for _ in range(depth)]
-        batch = EventBatch(time.time(), [BlockStored(hashes, None, tokens[: depth * bs], bs)], 0)
-        await index.apply(f"capacity-{r}", NAMESPACE, batch)
-    keys = block_keys(tokens, NAMESPACE)
+    keys = await place_chain(index, chain_blocks, 8, random.Random(chain_blocks), "capacity")
     anchors = keys[:: max(1, len(keys) // 8)]
     new = keys[len(keys) - max(1, round(len(keys) * new_share)) :]
     done = 0
