@@ -32,10 +32,13 @@ from tracker.keys import NamespaceKeys
 
 ENGINES: Final = 4
 BLOCK_SIZE: Final = 16
-NUM_BLOCKS: Final = 512  # four groups' prefixes and the requests in flight: caching matters
-# H200 speed: a cache miss costs real time (60 ms for a 1k-token prompt), so the router's
-# learned TTFT model values hits and its hit rate means something. At 0.05 the simulated
-# prefill is cheaper than HTTP and the router rightly stops caring where prefixes are.
+NUM_BLOCKS: Final = 1024  # three groups' prefixes and the requests in flight: caching matters
+# H200 speed: a cache miss costs real time (2k-token prefixes: a cold prefill is 60 ms against
+# 26 ms for a hit, ../shared/calibration/h200-prefill.json), so the router's learned TTFT model
+# values hits and its hit rate means something. With 1k-token prefixes a miss cost ~8 ms more
+# than a hit, within the TTFTs' noise: the router rightly stopped caring where the prefixes
+# were, and the drills' hit-rate recovery came down to chance. At time scale 0.05 the
+# simulated prefill is cheaper than HTTP.
 TIME_SCALE: Final = 1.0
 REPLICA_TTL_S: Final = 4.0  # registry entries of a dead engine expire this fast in drills
 NAMESPACE: Final = Namespace(MODEL, BLOCK_SIZE)

@@ -152,7 +152,7 @@ class Workload:
     url: str
     clients: int = 6
     groups: int = 12
-    prefix_tokens: int = 1024
+    prefix_tokens: int = 2048
     max_tokens: Sequence[int] = (8,)
     stream_share: float = 0.5
     deadline_s: float = 20.0
