@@ -1,13 +1,23 @@
-"""Local processes for benchmarks and tests: loopback ports and a throwaway redis-server."""
+"""Local processes for benchmarks and tests: loopback ports, a throwaway redis-server, and
+a primary with a replica and three Sentinels."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from redis.sentinel import Sentinel
+
+from tracker.redis_client import SENTINEL_SCHEMES, parse_sentinel_url
 
 
 def free_port() -> int:
@@ -83,3 +93,138 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+SENTINEL_SERVICE = "kvrouter"
+
+
+def sentinel_config(port: int, workdir: Path, primary_port: int, *, down_after_ms: int) -> Path:
+    """A Sentinel's config file (Sentinel rewrites it as it learns; it must be writable)."""
+    path = workdir / f"sentinel-{port}.conf"
+    path.write_text(
+        f"port {port}\n"
+        "bind 127.0.0.1\n"
+        f"dir {workdir}\n"
+        f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {primary_port} 2\n"
+        f"sentinel down-after-milliseconds {SENTINEL_SERVICE} {down_after_ms}\n"
+        f"sentinel failover-timeout {SENTINEL_SERVICE} {max(3 * down_after_ms, 3000)}\n"
+        f"sentinel parallel-syncs {SENTINEL_SERVICE} 1\n"
+    )
+    return path
+
+
+class RedisSentinels:
+    """A primary, one replica of it and three Sentinels (quorum 2) on loopback: the smallest
+    Redis deployment that fails over by itself. :attr:`url` is the ``redis+sentinel://`` URL
+    every kvrouter part accepts."""
+
+    def __init__(self, *, down_after_ms: int = 1000) -> None:
+        self.primary = RedisServer()
+        self.replica = RedisServer("--replicaof", "127.0.0.1", str(self.primary.port))
+        self.down_after_ms = down_after_ms
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.dir = Path(tempfile.mkdtemp(prefix="kvr-sentinel-"))
+        self._sentinels: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{SENTINEL_SERVICE}/0"
+
+    def start(self) -> RedisSentinels:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; scripts/install installs it")
+        self.primary.start()
+        self.replica.start()
+        for port in self.sentinel_ports:
+            conf = sentinel_config(
+                port, self.dir, self.primary.port, down_after_ms=self.down_after_ms
+            )
+            self._sentinels.append(
+                subprocess.Popen(
+                    [binary, str(conf), "--sentinel"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        for port in self.sentinel_ports:
+            wait_for_port(port)
+        return self
+
+    def ask(self, *command: str) -> str:
+        """One Sentinel's answer to ``command`` (``redis-cli`` output), for checks."""
+        out = subprocess.run(
+            ["redis-cli", "-p", str(self.sentinel_ports[0]), *command],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        return out.stdout
+
+    def primary_port(self) -> int:
+        """The port of the server the Sentinels name as primary now."""
+        return int(self.ask("sentinel", "get-master-addr-by-name", SENTINEL_SERVICE).split()[1])
+
+    def wait_replicated(self, timeout_s: float = 10.0) -> None:
+        """Return once the replica is linked to the primary and caught up."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = subprocess.run(
+                ["redis-cli", "-p", str(self.replica.port), "info", "replication"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout
+            if "master_link_status:up" in info:
+                return
+            time.sleep(0.05)
+        raise TimeoutError("the replica did not link to the primary")
+
+    def wait_failover(self, old_port: int, timeout_s: float = 30.0) -> int:
+        """Wait until the Sentinels name a primary other than ``old_port``; its port."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            port = self.primary_port()
+            if port != old_port:
+                return port
+            time.sleep(0.1)
+        raise TimeoutError(f"no failover away from port {old_port} in {timeout_s} s")
+
+    def close(self) -> None:
+        for proc in self._sentinels:
+            proc.kill()
+            proc.wait(timeout=10)
+        self._sentinels.clear()
+        self.primary.close()
+        self.replica.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def sync_redis(url: str, timeout_s: float = 5.0) -> Iterator[Any]:
+    """A blocking client for ``url`` (a server, or the primary a Sentinel URL names), closed
+    after: for benchmarks' and tests' checks."""
+    if urlsplit(url).scheme not in SENTINEL_SCHEMES:
+        with redis.Redis.from_url(url, socket_timeout=timeout_s) as client:
+            yield client
+        return
+    parsed = parse_sentinel_url(url)
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(parsed.sentinels),
+        sentinel_kwargs={"socket_timeout": timeout_s, "password": parsed.sentinel_password},
+    )
+    try:
+        with sentinel.master_for(  # type: ignore[no-untyped-call]
+            parsed.service,
+            db=parsed.db,
+            username=parsed.username,
+            password=parsed.password,
+            socket_timeout=timeout_s,
+        ) as client:
+            yield client
+    finally:
+        for node in sentinel.sentinels:
+            node.close()

@@ -26,7 +26,7 @@ from typing import IO, Any
 
 import httpx
 
-from bench.procs import redis_server_argv
+from bench.procs import SENTINEL_SERVICE, redis_server_argv, sentinel_config
 
 
 class StackError(RuntimeError):
@@ -145,6 +145,10 @@ class StackConfig:
     replicas: int = 4
     routers: int = 2
     redis: bool = True
+    # Redis as a primary, one replica and three Sentinels (quorum 2): every part gets the
+    # redis+sentinel:// URL and follows a failover (the processes are redis, redis-replica,
+    # sentinel-0..2)
+    sentinel: bool = False
     haproxy: bool = True
     model: str = "default"
     block_size: int = 16
@@ -172,6 +176,7 @@ class _Proc:
     log: IO[bytes]
     popen: subprocess.Popen[bytes] | None = None
     env: dict[str, str] | None = None
+    port: int | None = None  # waited for when there is no health URL
 
 
 @dataclass
@@ -185,7 +190,7 @@ class LocalStack:
         self.workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="kvrouter-stack-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         n = cfg.replicas
-        base = port_block(4 + 3 * n + 2 * cfg.routers)
+        base = port_block(4 + 3 * n + 2 * cfg.routers + (4 if cfg.sentinel else 0))
         self.redis_port = base
         self.haproxy_port = base + 1
         self.tracker_port = base + 2
@@ -195,6 +200,9 @@ class LocalStack:
         self.router_ports = [self.replay_port + n + i for i in range(cfg.routers)]
         # spare ports beside each router's, for what replaces it (a peer's metrics server)
         self.spare_ports = [p + cfg.routers for p in self.router_ports]
+        after = self.replay_port + n + 2 * cfg.routers
+        self.redis_replica_port = after if cfg.sentinel else None
+        self.sentinel_ports = [after + 1 + i for i in range(3)] if cfg.sentinel else []
         self._procs: dict[str, _Proc] = {}
         self._running = False
 
@@ -202,7 +210,12 @@ class LocalStack:
 
     @property
     def redis_url(self) -> str | None:
-        return f"redis://127.0.0.1:{self.redis_port}/0" if self.config.redis else None
+        if not self.config.redis:
+            return None
+        if self.sentinel_ports:
+            hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+            return f"redis+sentinel://{hosts}/{SENTINEL_SERVICE}/0"
+        return f"redis://127.0.0.1:{self.redis_port}/0"
 
     @property
     def router_urls(self) -> list[str]:
@@ -237,10 +250,16 @@ class LocalStack:
     # ------------------------------------------------------------------ lifecycle
 
     def _add(
-        self, name: str, argv: list[str], health: str | None, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        health: str | None,
+        env: dict[str, str] | None = None,
+        *,
+        port: int | None = None,
     ) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
-        self._procs[name] = _Proc(name, argv, health, log, env=env)
+        self._procs[name] = _Proc(name, argv, health, log, env=env, port=port)
 
     def _plan(self) -> None:
         cfg, kv = self.config, kvrouter_bin()
@@ -250,7 +269,9 @@ class LocalStack:
                 argv = redis_server_argv(self.redis_port, self.workdir)
             except RuntimeError as exc:
                 raise StackError(str(exc)) from None
-            self._add("redis", argv, None)
+            self._add("redis", argv, None, port=self.redis_port)
+            if self.redis_replica_port is not None:
+                self._plan_sentinels(argv[0])
         if cfg.vllm is not None:
             for i in range(cfg.replicas):
                 argv = cfg.vllm.argv(
@@ -458,11 +479,22 @@ class LocalStack:
             start_new_session=True,
         )
 
+    def _plan_sentinels(self, binary: str) -> None:
+        assert self.redis_replica_port is not None
+        replica_dir = self.workdir / "redis-replica"
+        replica_dir.mkdir(exist_ok=True)
+        replicaof = ("--replicaof", "127.0.0.1", str(self.redis_port))
+        argv = redis_server_argv(self.redis_replica_port, replica_dir, *replicaof)
+        self._add("redis-replica", argv, None, port=self.redis_replica_port)
+        for i, port in enumerate(self.sentinel_ports):
+            conf = sentinel_config(port, self.workdir, self.redis_port, down_after_ms=1000)
+            self._add(f"sentinel-{i}", [binary, str(conf), "--sentinel"], None, port=port)
+
     def _wait(self, proc: _Proc, timeout_s: float) -> None:
         if proc.health is not None:
             self._wait_url(proc.health, timeout_s, proc)
-        elif proc.name == "redis":
-            self._wait_port(self.redis_port, timeout_s, proc)
+        elif proc.port is not None:
+            self._wait_port(proc.port, timeout_s, proc)
 
     def _check_alive(self, proc: _Proc) -> None:
         if proc.popen is not None and proc.popen.poll() is not None:

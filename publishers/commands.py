@@ -93,7 +93,11 @@ class ReplicaSettings(ServiceSettings):
     chat_template: str | None = setting(
         None, "chat template (.jinja or tokenizer_config.json); default: the tokenizer's"
     )
-    redis: str | None = setting(None, "registry Redis URL: register every engine and heartbeat")
+    redis: str | None = setting(
+        None,
+        "registry Redis URL (or redis+sentinel://HOST:PORT,.../SERVICE): register every "
+        "engine and heartbeat",
+    )
     heartbeat_s: float = setting(5.0, "seconds between registry heartbeats")
     ttl_s: float = setting(15.0, "registry entries expire this long after the last heartbeat")
     shutdown_timeout_s: float = setting(5.0, "graceful drain budget for in-flight requests")

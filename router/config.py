@@ -45,7 +45,9 @@ class RouterSettings(ServiceSettings):
     host: str = setting("127.0.0.1", "HTTP bind address")
     port: int = setting(8000, "HTTP port (0: any free port)")
     redis: str | None = setting(
-        None, "Redis URL of the shared index, load and registry; omit: embedded index + tracker"
+        None,
+        "Redis URL of the shared index, load and registry (or "
+        "redis+sentinel://HOST:PORT,.../SERVICE); omit: embedded index + tracker",
     )
     replica: tuple[str, ...] = setting(
         (),

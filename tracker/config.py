@@ -34,7 +34,11 @@ class TrackerSettings(ServiceSettings):
 
     PART = "TRACKER"
 
-    redis: str | None = setting(None, "Redis URL of the shared index; omit for embedded")
+    redis: str | None = setting(
+        None,
+        "Redis URL of the shared index (redis://, rediss://, unix://, "
+        "redis+sentinel://HOST:PORT,.../SERVICE); omit for embedded",
+    )
     replica: tuple[str, ...] = setting(
         (),
         "replica to track, repeatable: ID=tcp://host:5557[,replay=tcp://host:5558]"
@@ -95,7 +99,10 @@ class LookupSettings(LogSettings):
 
     PART = "LOOKUP"
 
-    redis: str = setting("redis://127.0.0.1:6379/0", "Redis URL of the shared index")
+    redis: str = setting(
+        "redis://127.0.0.1:6379/0",
+        "Redis URL of the shared index (or redis+sentinel://HOST:PORT,.../SERVICE)",
+    )
     model: str = setting("default", "model namespace")
     block_size: int = setting(16, "block size of the namespace")
     lora: str | None = setting(None, "LoRA adapter name, if the request used one")

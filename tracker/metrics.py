@@ -109,7 +109,7 @@ class TrackerMetrics:
         )
         self.index_restores = Counter(
             "kvrouter_tracker_index_restores_total",
-            "Replicas whose state the index lost (Redis restarted empty), written back",
+            "Replicas whose state Redis lost or holds older (restart, failover), written back",
             registry=registry,
         )
         self.ledger_stats = Counter(

@@ -23,19 +23,16 @@ from typing import Any, Final
 
 import msgspec
 import redis.asyncio as redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from tracker import keys as schema
 from tracker import lua
 from tracker.blocks import Namespace
-from tracker.errors import ConfigError, IndexUnavailableError
+from tracker.errors import IndexUnavailableError
 from tracker.events import EventBatch
 from tracker.index import ApplyResult, Home, Match, ReplicaRecord, Residency, Survey
 from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
-from tracker.settings import redact_url
+from tracker.redis_client import RedisConnection, open_redis
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +117,10 @@ class _Pending:
 class RedisIndex:
     """The shared index. Construct with :meth:`from_url` or around an existing client."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, connection: RedisConnection | None = None) -> None:
         self.client = client
+        self._connection = connection or RedisConnection(client)
+        self._server: str | None = None  # run_id of the server the ledgers were last written to
         self._apply = client.register_script(lua.APPLY)
         self._lookup = client.register_script(lua.LOOKUP)
         self._predict = client.register_script(lua.PREDICT)
@@ -140,18 +139,10 @@ class RedisIndex:
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 2.0) -> RedisIndex:
-        try:
-            client = redis.Redis.from_url(
-                url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                # One immediate retry on a fresh connection, as pooled connections are stale
-                # after a Redis restart; the index's writes are idempotent, so a replay is safe.
-                retry=Retry(NoBackoff(), 1, (RedisConnectionError,)),
-            )
-        except ValueError as exc:
-            raise ConfigError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
-        return cls(client)
+        """Open the index at ``url``: a server or a Sentinel-monitored primary
+        (:func:`tracker.redis_client.open_redis`)."""
+        connection = open_redis(url, timeout_s=timeout_s)
+        return cls(connection.client, connection)
 
     def keys_for(self, namespace: Namespace) -> schema.NamespaceKeys:
         base = namespace.base()
@@ -203,8 +194,20 @@ class RedisIndex:
         ledger = self._ledgers.get((replica, base))
         if ledger is not None:  # freshly allocated id
             return ledger
-        nk = self.keys_for(base)
-        buckets = nk.engine_buckets(rid)
+        entries = await self._engine_map(rid, base)
+        ledger = ReplicaLedger(replica, base)
+        ledger.load(entries)
+        self._ledgers[(replica, base)] = ledger
+        if entries:
+            logger.info(
+                "replica ledger restored from redis",
+                extra={"replica": replica, "engine_blocks": len(entries)},
+            )
+        return ledger
+
+    async def _engine_map(self, rid: int, namespace: Namespace) -> list[tuple[int, EngineBlock]]:
+        """The engine map Redis holds for replica id ``rid``."""
+        buckets = self.keys_for(namespace).engine_buckets(rid)
         entries: list[tuple[int, EngineBlock]] = []
         for start in range(0, len(buckets), 128):
             async with self.client.pipeline(transaction=False) as pipe:
@@ -215,15 +218,7 @@ class RedisIndex:
                 entries.extend(
                     (int.from_bytes(f, "big"), EngineBlock.unpack(v)) for f, v in mapping.items()
                 )
-        ledger = ReplicaLedger(replica, base)
-        ledger.load(entries)
-        self._ledgers[(replica, base)] = ledger
-        if entries:
-            logger.info(
-                "replica ledger restored from redis",
-                extra={"replica": replica, "engine_blocks": len(entries)},
-            )
-        return ledger
+        return entries
 
     async def _flush(self, replica: str, namespace: Namespace, *, resync: bool = True) -> None:
         # One flush per replica at a time: a newer state must never be overtaken on the wire
@@ -305,14 +300,34 @@ class RedisIndex:
         await self._flush(replica, namespace)
 
     async def restore_lost(self) -> int:
-        """Write back the whole state of every tracked replica whose id Redis lost.
+        """Write back the state of every tracked replica that Redis lost or holds older.
 
-        Redis without persistence restarts empty. A replica that keeps publishing is written
-        back with its next batch (APPLY reports the lost id); an idle one would stay out of
-        the index, and, found nowhere, get no requests that would make it publish again. The
-        tracker calls this periodically: one pipelined HGET per replica. Returns how many
-        replicas were written back.
+        The tracker calls this periodically, with no other write of this index in flight.
+
+        * A different server answers (its ``run_id`` changed: a restart, with or without
+          persistence, or a Sentinel failover to a replica that had not received the last
+          writes): it may hold any older state of every replica. Each one's engine map is
+          read back and the difference from its ledger written (:meth:`_reconcile`).
+        * Otherwise, an id Redis lost (no persistence) is written back whole: a replica that
+          keeps publishing would be with its next batch (APPLY reports the lost id), but an
+          idle one would stay out of the index and, found nowhere, get no requests that would
+          make it publish again. One pipelined HGET per replica.
+
+        Returns how many replicas were written back.
         """
+        server = await self.server_id()
+        if self._server is not None and server != self._server:
+            logger.warning(
+                "a different redis server answers (restart or failover): "
+                "reconciling every replica with its ledger",
+                extra={"run_id": server, "replicas": len(self._ledgers)},
+            )
+            written = 0
+            for replica, namespace in list(self._ledgers):
+                written += await self._reconcile(replica, namespace)
+            self._server = server
+            return written
+        self._server = server
         tracked = list(self._ledgers)
         if not tracked:
             return 0
@@ -326,6 +341,53 @@ class RedisIndex:
                 # an empty write restores the id; APPLY says so and the state follows
                 await self._commit(*key, LedgerChanges(), self._seqs.get(key, ""))
         return len(lost)
+
+    async def server_id(self) -> str:
+        """The answering server's ``run_id`` (new with every server process).
+
+        :raises IndexUnavailableError: if Redis does not answer.
+        """
+        info = await self._call("info server", self.client.info("server"))
+        return str(info.get("run_id", ""))
+
+    async def _reconcile(self, replica: str, namespace: Namespace) -> int:
+        """Make Redis hold exactly what the replica's ledger says; 1 if anything differed.
+
+        Every APPLY writes a replica's engine map and its placements in one script, so a
+        server holding an older state holds an older state of both: the placements it lists
+        follow from the engine map it holds, and the difference between the two engine maps
+        is all that must be written (placements Redis holds that the ledger does not are
+        removed, as in a clear).
+        """
+        key = (replica, namespace)
+        ledger = self._ledgers[key]
+        theirs = ReplicaLedger(replica, namespace)
+        rid = self._rids.get(key)
+        if rid is not None:
+            theirs.load(await self._engine_map(rid, namespace))
+        changes = LedgerChanges()
+        held = dict(theirs.placements())
+        for block, tiers in ledger.placements():
+            if held.pop(block, 0) != tiers:
+                changes.placements[block] = tiers
+        changes.placements.update(dict.fromkeys(held, 0))
+        for engine_hash, entry in ledger.engine.items():
+            stale = theirs.engine.pop(engine_hash, None)
+            if stale is None or stale.pack() != entry.pack():
+                changes.engine[engine_hash] = entry
+        changes.engine.update(dict.fromkeys(theirs.engine))
+        if not (changes.placements or changes.engine):
+            return 0
+        logger.warning(
+            "replica state in redis differs from its ledger, rewriting the difference",
+            extra={
+                "replica": replica,
+                "placements": len(changes.placements),
+                "engine_blocks": len(changes.engine),
+            },
+        )
+        await self._commit(replica, namespace, changes, self._seqs.get(key, ""))
+        return 1
 
     async def flush(self) -> int:
         """Retry every pending write; returns how many replicas are still pending."""
@@ -542,4 +604,4 @@ class RedisIndex:
             return False
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self._connection.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,7 @@ async def drill_factory(tmp_path: Path) -> AsyncIterator[DrillFactory]:
     """``await start(router_args=..., time_scale=...)``: a started, warmed-up stack."""
     drills: list[Drill] = []
 
-    async def start(*, router_args: Sequence[str] = (), **config: float) -> Drill:
+    async def start(*, router_args: Sequence[str] = (), **config: Any) -> Drill:
         workdir = tmp_path / f"stack-{len(drills)}"
         stack = LocalStack(drill_config(workdir, router_args=router_args, **config))
         await asyncio.to_thread(stack.start, 60.0)

@@ -25,6 +25,7 @@ import httpx
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.procs import SENTINEL_SERVICE, sync_redis
 from bench.stack import LocalStack, StackConfig
 from tests.faults.workload import MODEL, Result, Workload
 from tracker.blocks import Namespace
@@ -52,10 +53,13 @@ def drill_config(
     time_scale: float = TIME_SCALE,
     heartbeat_s: float = 1.0,
     ttl_s: float = REPLICA_TTL_S,
+    sentinel: bool = False,
 ) -> StackConfig:
-    """Four engines in their own processes (fault hooks on), two routers, haproxy."""
+    """Four engines in their own processes (fault hooks on), two routers, haproxy; Redis
+    alone or (``sentinel``) as a primary, a replica and three Sentinels."""
     return StackConfig(
         replicas=ENGINES,
+        sentinel=sentinel,
         routers=2,
         model=MODEL,
         block_size=BLOCK_SIZE,
@@ -218,10 +222,17 @@ class Drill:
                 return False
         return True
 
+    def sentinel_primary(self) -> int:
+        """The port of the Redis server the stack's Sentinels name as primary now."""
+        port = self.stack.sentinel_ports[0]
+        with redis.Redis(port=port, socket_timeout=2.0) as sentinel:
+            _, primary = sentinel.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
+        return int(primary)
+
     def shared_load(self, router_id: str) -> int:
         """Requests ``router_id`` still holds on the shared load board (unexpired entries)."""
         key = NamespaceKeys(NAMESPACE).load
-        with redis.Redis.from_url(self.redis_url) as client:
+        with sync_redis(self.redis_url) as client:
             seconds, micros = client.time()
             now_ms = seconds * 1000 + micros // 1000
             entries = client.hgetall(key)
@@ -254,7 +265,7 @@ class Drill:
         """Block keys the Redis index lists for each replica (a full scan; a quiet index)."""
         keys = NamespaceKeys(NAMESPACE)
         held: dict[str, set[int]] = {}
-        with redis.Redis.from_url(self.redis_url) as client:
+        with sync_redis(self.redis_url) as client:
             rids = {int(rid): name.decode() for name, rid in client.hgetall(keys.rid).items()}
             buckets = list(client.scan_iter(match=f"{keys.block_prefix}*", count=1000))
             pipe = client.pipeline(transaction=False)

@@ -114,6 +114,58 @@ async def test_redis_killed_and_restarted_empty_routers_fail_open_index_rebuilt(
     assert row.recovery_s is not None, row
 
 
+async def test_redis_primary_sigkilled_sentinel_promotes_replica_index_exact(
+    drill_factory: DrillFactory,
+) -> None:
+    drill = await drill_factory(sentinel=True)
+    workload = drill.workload()
+    state: dict[str, float] = {}
+    old = drill.stack.redis_port
+    assert await asyncio.to_thread(drill.sentinel_primary) == old
+
+    async def fault() -> float:
+        await drill.kill("redis")
+        # the Sentinels notice (down-after 1 s), agree (quorum 2), elect one of them and
+        # promote the replica; every part follows through its redis+sentinel:// URL
+        state["failover_s"] = await drill.until(
+            "the Sentinels promoted the replica",
+            lambda: asyncio.to_thread(lambda: drill.sentinel_primary() != old),
+            timeout_s=30,
+        )
+        return time.monotonic()
+
+    marks = await run_drill(workload, fault)
+    assert_all_completed(workload.results)
+    assert await asyncio.to_thread(drill.sentinel_primary) == drill.stack.redis_replica_port
+    fallbacks = 0.0
+    for url in drill.stack.router_urls:
+        fallbacks += metric_sum(await drill.metrics(url), "kvrouter_router_fallbacks_total")
+    tracker = await drill.tracker_metrics()
+    reconciled = metric_sum(tracker, "kvrouter_tracker_index_restores_total")
+    _, consistency = await settle(drill, range(ENGINES), ALL_EXACT)
+    row = make_row(
+        "4b",
+        "redis primary SIGKILLed, Sentinel promotes its replica",
+        workload,
+        marks,
+        consistency,
+        notes=(
+            f"the Sentinels promoted the replica {state['failover_s']:.1f} s after the kill "
+            "(down-after-milliseconds 1000, quorum 2 of 3); meanwhile the routers failed open "
+            f"({fallbacks:.0f} requests placed on load alone, none failed) and the tracker "
+            "kept its writes pending; every part follows the new primary through its "
+            "redis+sentinel:// URL; the tracker sees a new server (run_id) and reconciles "
+            f"every replica with its ledger ({reconciled:.0f} had a difference to write)."
+        ),
+        failover_s=round(state["failover_s"], 2),
+        fallbacks=fallbacks,
+        reconciled=reconciled,
+    )
+    record(row)
+    assert consistency.ok, consistency
+    assert row.recovery_s is not None, row
+
+
 async def test_router_sigkilled_haproxy_moves_on_and_no_phantom_load(
     drill_factory: DrillFactory,
 ) -> None:
