@@ -149,6 +149,9 @@ class StackConfig:
     # redis+sentinel:// URL and follows a failover (the processes are redis, redis-replica,
     # sentinel-0..2)
     sentinel: bool = False
+    # > 0: a second tracker on standby (process standby-tracker), both elected by a lease of
+    # this many seconds (kvrouter tracker --lease-ttl-s)
+    tracker_lease_s: float = 0.0
     haproxy: bool = True
     model: str = "default"
     block_size: int = 16
@@ -194,6 +197,7 @@ class LocalStack:
         self.redis_port = base
         self.haproxy_port = base + 1
         self.tracker_port = base + 2
+        self.standby_tracker_port = base + 3
         self.replica_port = base + 4
         self.events_port = self.replica_port + n
         self.replay_port = self.events_port + n
@@ -316,8 +320,7 @@ class LocalStack:
             tracker = [kv, "tracker", *redis_flags, "--http-port", str(self.tracker_port)]
             if static:
                 tracker += ["--model", cfg.model, "--block-size", str(cfg.block_size), *specs]
-            tracker += cfg.tracker_args
-            self._add("tracker", tracker, f"http://127.0.0.1:{self.tracker_port}/health")
+            self._plan_trackers([*tracker, *cfg.tracker_args])
         for i, port in enumerate(self.router_ports):
             replicas = [*specs, *vllm_flags]
             self._add(
@@ -478,6 +481,16 @@ class LocalStack:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+    def _plan_trackers(self, argv: list[str]) -> None:
+        lease = self.config.tracker_lease_s
+        if lease > 0:
+            argv = [*argv, "--lease-ttl-s", str(lease)]
+        self._add("tracker", argv, f"http://127.0.0.1:{self.tracker_port}/health")
+        if lease > 0:  # started once the first one is up: it stands by
+            port = self.standby_tracker_port
+            standby = [*argv, "--http-port", str(port)]
+            self._add("standby-tracker", standby, f"http://127.0.0.1:{port}/health")
 
     def _plan_sentinels(self, binary: str) -> None:
         assert self.redis_replica_port is not None

@@ -178,7 +178,10 @@ def test_the_stack_has_the_expected_shape() -> None:
         kind = parsed(name).command.name
         counts[kind] = counts.get(kind, 0) + 1
     engines = sum(s.count for s in of_kind(ReplicaSettings).values())
-    assert (counts, engines) == ({"tracker": 1, "replica": 1, "router": 2}, 4)
+    assert (counts, engines) == ({"tracker": 2, "replica": 1, "router": 2}, 4)
+    # the two trackers take part in one election (else both would apply every stream)
+    leases = {(s.lease_ttl_s, s.election) for s in of_kind(TrackerSettings).values()}
+    assert len(leases) == 1 and next(iter(leases))[0] > 0
     assert SERVICES["redis"]["image"].split(":")[0] == "redis"
     assert SERVICES["haproxy"]["image"].split(":")[0] == "haproxy"
 

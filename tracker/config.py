@@ -72,9 +72,22 @@ class TrackerSettings(ServiceSettings):
         "how often to read Redis's memory use and eviction policy (a policy that evicts "
         "index keys stops the tracker at start and degrades /health later)",
     )
+    lease_ttl_s: float = setting(
+        0.0,
+        "elect the tracker that applies events by a lease in Redis held this long (renewed "
+        "every third of it): trackers of one --election wait on standby and take over when "
+        "the active one's lease expires; 0: no election (one tracker per Redis)",
+    )
+    election: str = setting("default", "name of the election trackers of one fleet share")
     shutdown_timeout_s: float = setting(5.0, "graceful shutdown budget")
 
     def __post_init__(self) -> None:
+        if not self.lease_ttl_s >= 0:
+            raise ValueError("lease_ttl_s must be >= 0")
+        if self.lease_ttl_s and not self.redis:
+            raise ValueError("lease_ttl_s needs --redis: the lease lives there")
+        if not self.election:
+            raise ValueError("election must not be empty")
         for spec in self.replica:
             ReplicaSpec.parse(spec)
         if self.block_size <= 0:

@@ -25,3 +25,7 @@ class IndexUnavailableError(KVRouterError):
 
 class ReplayError(KVRouterError):
     """A replay request to a publisher's ROUTER socket failed or timed out."""
+
+
+class FencedError(KVRouterError):
+    """This tracker lost its lease: a tracker elected after it writes the index now."""

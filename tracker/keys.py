@@ -32,7 +32,13 @@ key                             type   content
 ``P:T:plive``                   STRING set while any prediction may be live (expires
                                        with the longest); spares the tracker's writes
                                        the prediction check when there are none
+``P:T:fence``                   STRING highest fencing number of a tracker that wrote the
+                                       partition (trackers elected by lease); APPLY
+                                       refuses lower ones
 ``P:namespaces``                HASH   nsid -> JSON {model, block_size}
+``P:{tracker:N}:lease``         STRING the tracker lease of election ``N``: ``<fencing
+                                       number> <tracker id>``, expiring unless renewed
+``P:{tracker:N}:fence``         STRING last fencing number handed out in election ``N``
 ``P:{replicas}``                HASH   replica id -> JSON registry record
 ``P:{replicas}:seen``           HASH   replica id -> last heartbeat (Redis server time, ms)
 ==============================  =====  ===================================================
@@ -63,6 +69,12 @@ REPLICAS_SEEN: Final = f"{PREFIX}:{{replicas}}:seen"
 NAMESPACES: Final = f"{PREFIX}:namespaces"
 
 
+def tracker_lease(election: str) -> tuple[str, str]:
+    """The lease and fencing counter of tracker election ``election`` (one slot)."""
+    tag = f"{PREFIX}:{{tracker:{election}}}"
+    return f"{tag}:lease", f"{tag}:fence"
+
+
 def nsid(namespace: Namespace) -> str:
     """Short stable id of an index partition (model + block size, LoRA excluded)."""
     digest = xxhash.xxh3_64_hexdigest(f"{namespace.model}\x00{namespace.block_size}".encode())
@@ -75,6 +87,7 @@ class NamespaceKeys:
     __slots__ = (
         "block_prefix",
         "engine_prefix",
+        "fence",
         "home_prefix",
         "load",
         "nsid",
@@ -104,6 +117,7 @@ class NamespaceKeys:
         self.load = f"{self.tag}:load"
         self.stats = f"{self.tag}:stats"
         self.plive = f"{self.tag}:plive"
+        self.fence = f"{self.tag}:fence"
 
     @staticmethod
     def stats_fields(replica: str) -> tuple[str, str]:

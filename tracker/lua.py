@@ -33,22 +33,31 @@ end
 """
 )
 
-# KEYS: [seq hash, rid hash, rname hash, ridseq, free rid set]
+# KEYS: [seq hash, rid hash, rname hash, ridseq, free rid set, partition fence]
 # ARGV: [replica, seq ("" keep, "-" delete, else set), rid, key prefix with hash tag,
 #        placements: n x (8-byte block key .. 1-byte tiers),
-#        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. 12-byte value)]
+#        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. 12-byte value),
+#        the writing tracker's fencing number (0: not elected, not fenced)]
 # Returns APPLY_OK; APPLY_RID_RESTORED when the rid mapping was missing and has been put back
 # (Redis lost its data: the caller must write the replica's whole state again); or
 # APPLY_RID_TAKEN, having written nothing, when another replica owns the rid now (the caller
-# must allocate a new one).
+# must allocate a new one); APPLY_FENCED, having written nothing, when a tracker elected after
+# the writer has written the partition (the writer lost its lease and must stop).
 APPLY_OK: Final = 0
 APPLY_RID_RESTORED: Final = 1
 APPLY_RID_TAKEN: Final = -1
+APPLY_FENCED: Final = -2
 APPLY: Final = (
     _BUCKETS
     + """
 local replica, seq, rid, tag = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local places, engine = ARGV[5], ARGV[6]
+local fence = tonumber(ARGV[7])
+if fence > 0 then
+  local newest = tonumber(redis.call('GET', KEYS[6]) or '0')
+  if fence < newest then return -2 end
+  if fence > newest then redis.call('SET', KEYS[6], fence) end
+end
 local status = 0
 local owner = redis.call('HGET', KEYS[3], rid)
 if owner ~= replica then
@@ -566,4 +575,44 @@ for i = 1, #all, 2 do
   end
 end
 return out
+"""
+
+
+# The tracker election (tracker/lease.py). KEYS: [lease, fencing counter]. The lease holds
+# "<fencing number> <tracker id>" and expires unless its holder renews it.
+# ARGV: [tracker id, ttl ms]. Returns the holder's fencing number when the caller holds the
+# lease now (newly won: the counter's next number), 0 when another tracker does.
+LEASE_ACQUIRE: Final = """
+local held = redis.call('GET', KEYS[1])
+if held then
+  local number, holder = string.match(held, '^(%d+) (.*)$')
+  if holder == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return tonumber(number)
+  end
+  return 0
+end
+local number = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], number .. ' ' .. ARGV[1], 'PX', ARGV[2])
+return number
+"""
+
+# KEYS: [lease]. ARGV: [the holder's lease value, ttl ms (renew) or "" (release)].
+# Returns 1 if the caller still held the lease (renewed or released), 0 if it did not.
+LEASE_KEEP: Final = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+# KEYS: [partition fence]. ARGV: [fencing number]. Raises the partition's fence to it (a new
+# tracker claims the partitions before it reads them); returns the fence now.
+FENCE_RAISE: Final = """
+local newest = tonumber(redis.call('GET', KEYS[1]) or '0')
+local fence = tonumber(ARGV[1])
+if fence > newest then
+  redis.call('SET', KEYS[1], fence)
+  return fence
+end
+return newest
 """

@@ -164,6 +164,17 @@ class TrackerMetrics:
             "The index's configured Redis memory budget (0: none)",
             registry=registry,
         )
+        self.active = Gauge(
+            "kvrouter_tracker_active",
+            "1 while this tracker applies events (it won the election, or there is none); "
+            "0 on standby",
+            registry=registry,
+        )
+        self.elections_won = Counter(
+            "kvrouter_tracker_elections_won_total",
+            "Times this tracker won the tracker election and became the active one",
+            registry=registry,
+        )
         self.evicting_policy = Gauge(
             "kvrouter_tracker_redis_evicting_policy",
             "1 while Redis's maxmemory-policy would evict index keys (allkeys-*)",

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from tracker import keys as schema
 from tracker import lua
 from tracker.blocks import Namespace
-from tracker.errors import IndexUnavailableError
+from tracker.errors import FencedError, IndexUnavailableError
 from tracker.events import EventBatch
 from tracker.index import ApplyResult, Home, Match, ReplicaRecord, Residency, Survey
 from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
@@ -121,6 +121,8 @@ class RedisIndex:
         self.client = client
         self._connection = connection or RedisConnection(client)
         self._server: str | None = None  # run_id of the server the ledgers were last written to
+        self._raise_fence = client.register_script(lua.FENCE_RAISE)
+        self.fence = 0  # fencing number of the elected tracker writing through this (0: none)
         self._apply = client.register_script(lua.APPLY)
         self._lookup = client.register_script(lua.LOOKUP)
         self._predict = client.register_script(lua.PREDICT)
@@ -236,13 +238,19 @@ class RedisIndex:
                     pending.merge(newer.changes, newer.seq)
                 self._pending[(replica, namespace)] = pending
                 raise
+        if any(int(s) == lua.APPLY_FENCED for s in statuses):
+            # another tracker owns the partition now: this one's changes are not its to write
+            raise FencedError(
+                f"a tracker elected after this one (fence {self.fence}) writes "
+                f"{namespace.model!r}/{namespace.block_size} now"
+            )
         if resync and any(int(s) != lua.APPLY_OK for s in statuses):
             await self._resync(replica, namespace, pending, statuses)
 
     async def _write(self, replica: str, namespace: Namespace, pending: _Pending) -> list[Any]:
         rid = await self.rid(replica, namespace)
         nk = self.keys_for(namespace)
-        keys = [nk.seq, nk.rid, nk.rname, nk.ridseq, nk.ridfree]
+        keys = [nk.seq, nk.rid, nk.rname, nk.ridseq, nk.ridfree, nk.fence]
         placements = list(pending.changes.placements.items())
         engine = list(pending.changes.engine.items())
         calls = max(1, -(-max(len(placements), len(engine)) // OPS_PER_CALL))
@@ -260,6 +268,7 @@ class RedisIndex:
                         h.to_bytes(8, "big") + (_DELETE if b is None else b"\x01" + b.pack())
                         for h, b in engine[window]
                     ),
+                    self.fence,
                 ]
             )
         if len(batches) == 1:
@@ -341,6 +350,27 @@ class RedisIndex:
                 # an empty write restores the id; APPLY says so and the state follows
                 await self._commit(*key, LedgerChanges(), self._seqs.get(key, ""))
         return len(lost)
+
+    async def claim_partitions(self, fence: int) -> int:
+        """Raise every known partition's fence to ``fence`` (a tracker that just won the
+        election, before it reads any ledger back): from then on the index refuses the
+        writes of any tracker elected before it. Returns how many partitions it claimed.
+
+        :raises FencedError: if a tracker elected after this one already claimed one.
+        """
+        self.fence = fence
+        nsids = await self._call("namespaces", self.client.hgetall(schema.NAMESPACES))
+        for raw in nsids.values():
+            meta = msgspec.json.decode(raw)
+            namespace = Namespace(str(meta["model"]), int(meta["block_size"]))
+            newest = int(
+                await self._call(
+                    "fence", self._raise_fence(keys=[self.keys_for(namespace).fence], args=[fence])
+                )
+            )
+            if newest > fence:
+                raise FencedError(f"a tracker elected after this one (fence {fence}) owns it")
+        return len(nsids)
 
     async def server_id(self) -> str:
         """The answering server's ``run_id`` (new with every server process).

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from tracker.blocks import Namespace
 from tracker.config import TrackerSettings
-from tracker.errors import ConfigError, IndexUnavailableError
+from tracker.errors import ConfigError, FencedError, IndexUnavailableError
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex, ReplicaRecord
 from tracker.lifecycle import freeze_heap, run_on_loop, run_until_signalled, running_loop_name
@@ -32,6 +32,7 @@ from tracker.streams import ReplicaTarget
 from tracker.subscriber import Subscriber
 
 if TYPE_CHECKING:
+    from tracker.lease import TrackerLease
     from tracker.redis_index import RedisMemory
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ class _Pinging(Protocol):
 @runtime_checkable
 class _Metered(Protocol):
     async def memory(self) -> RedisMemory: ...
+
+
+@runtime_checkable
+class _Fencing(Protocol):
+    async def claim_partitions(self, fence: int) -> int: ...
 
 
 def static_targets(settings: TrackerSettings) -> list[ReplicaTarget]:
@@ -76,10 +82,16 @@ class TrackerService:
         registry: CollectorRegistry,
         *,
         freeze: bool = False,
+        lease: TrackerLease | None = None,
     ) -> None:
         """:param freeze: the service owns its process: freeze the start-up heap once it
-        runs (:func:`tracker.lifecycle.freeze_heap`)."""
+        runs (:func:`tracker.lifecycle.freeze_heap`).
+        :param lease: take part in this tracker election (:mod:`tracker.lease`): stand by
+            until the lease is won, stop when it is lost; None: apply events from the start.
+        """
         self.settings = settings
+        self.lease = lease
+        self.role = "standby" if lease is not None else "active"
         self.freeze = freeze
         self.index = index
         self.registry = registry
@@ -104,13 +116,15 @@ class TrackerService:
     # ----------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Bind sockets, start the static replicas, the registry loop and the HTTP server."""
+        """Bind sockets, start the static replicas, the registry loop and the HTTP server
+        (with an election: the HTTP server, and the rest once the lease is won)."""
         self._started = True
         await self._check_memory(at_start=True)
-        await self.subscriber.start()
-        for target in self._static.values():
-            self.subscriber.track(target)
-        self._spawn(self._registry_loop(), "registry")
+        if self.lease is None:
+            await self._activate()
+        else:
+            self.metrics.active.set(0)
+            self._spawn(self._election(self.lease), "election")
         if isinstance(self.index, _Metered):
             self._spawn(self._memory_loop(), "memory")
         if self.settings.http_port:
@@ -120,6 +134,7 @@ class TrackerService:
         logger.info(
             "tracker started",
             extra={
+                "role": self.role,
                 "replicas": len(self._static),
                 "bind": self.subscriber.bound_endpoint,
                 "index": type(self.index).__name__,
@@ -127,6 +142,57 @@ class TrackerService:
                 "loop": running_loop_name(),
             },
         )
+
+    async def _activate(self) -> None:
+        await self.subscriber.start()
+        for target in self._static.values():
+            self.subscriber.track(target)
+        self._spawn(self._registry_loop(), "registry")
+        self.role = "active"
+        self.metrics.active.set(1)
+
+    async def _election(self, lease: TrackerLease) -> None:
+        """Stand by until this tracker wins the lease, take over, then keep it; a lease
+        lost (another tracker won it while this one could not renew) stops the tracker."""
+        interval = lease.ttl_s / 3
+        unreachable = False
+        while not self._stopping.is_set():
+            try:
+                fence = await lease.acquire()
+                if fence and isinstance(self.index, _Fencing):
+                    await self.index.claim_partitions(fence)
+                if fence:
+                    break
+                unreachable = False
+            except IndexUnavailableError as exc:
+                if not unreachable:
+                    logger.warning("cannot reach the tracker election", extra={"error": str(exc)})
+                unreachable = True
+            if await self._sleep(interval):
+                return
+        else:
+            return
+        self.metrics.elections_won.inc()
+        logger.info(
+            "tracker won the election: taking over",
+            extra={"election": lease.election, "fence": lease.fence, "holder": lease.holder},
+        )
+        await self._activate()
+        while not await self._sleep(interval):
+            try:
+                kept = await lease.renew()
+            except IndexUnavailableError:
+                continue  # past the TTL another tracker may win; this one's writes are fenced
+            if not kept:
+                holder = await lease.holder_now()
+                raise FencedError(f"lost the tracker lease (fence {lease.fence}) to {holder}")
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Wait ``seconds`` or until the stop; True if stopping."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
+        return self._stopping.is_set()
 
     async def run(self) -> int:
         """Start if needed, serve until :meth:`request_stop`, stop; returns an exit status."""
@@ -163,6 +229,11 @@ class TrackerService:
             if pending:
                 await asyncio.wait(pending)
         counts = await self.subscriber.stop(max(0.0, deadline - loop.time()))
+        if self.lease is not None and self.role == "active" and self._failure is None:
+            # flushed: hand over now rather than after the TTL
+            with contextlib.suppress(IndexUnavailableError):
+                if await self.lease.release():
+                    logger.info("tracker lease released", extra={"fence": self.lease.fence})
         if self._http is not None:
             await self._http.stop()
         logger.info("tracker stopped", extra=counts)
@@ -183,6 +254,11 @@ class TrackerService:
         self._crashed(task.exception() or RuntimeError(task.get_name()))
 
     def _crashed(self, exc: BaseException) -> None:
+        if isinstance(exc, FencedError) and self._failure is None:
+            logger.error(
+                "another tracker took over: stopping (restart this one as a standby)",
+                extra={"error": str(exc)},
+            )
         if self._failure is None:
             self._failure = exc
         self.request_stop()
@@ -409,6 +485,7 @@ class TrackerService:
             ok = ok and self._memory_problem is None
         return {
             "status": "ok" if ok else "degraded",
+            "role": self.role,
             "index": index,
             "replicas": self.subscriber.status(),
         }
@@ -424,14 +501,19 @@ class TrackerService:
 async def serve(settings: TrackerSettings) -> int:
     """Build the index, run a service until SIGINT/SIGTERM, close the index."""
     index: BlockIndex
+    lease: TrackerLease | None = None
     if settings.redis:
-        from tracker.redis_index import RedisIndex  # noqa: PLC0415 - redis only when used
+        from tracker.lease import TrackerLease  # noqa: PLC0415 - redis only when used
+        from tracker.redis_index import RedisIndex  # noqa: PLC0415
 
-        index = RedisIndex.from_url(settings.redis)
+        redis_index = RedisIndex.from_url(settings.redis)
+        if settings.lease_ttl_s:
+            lease = TrackerLease(redis_index.client, settings.election, settings.lease_ttl_s)
+        index = redis_index
     else:
         index = MemoryIndex()
     try:
-        service = TrackerService(settings, index, CollectorRegistry(), freeze=True)
+        service = TrackerService(settings, index, CollectorRegistry(), freeze=True, lease=lease)
         return await run_until_signalled(service)
     finally:
         await index.close()

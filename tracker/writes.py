@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Final, Protocol, runtime_checkable
 
 from tracker.blocks import Namespace
-from tracker.errors import IndexUnavailableError
+from tracker.errors import FencedError, IndexUnavailableError
 from tracker.events import EventBatch
 from tracker.index import ApplyResult, BlockIndex
 from tracker.metrics import TrackerMetrics
@@ -177,6 +177,11 @@ class IndexWriter:
             async with asyncio.timeout(max(budget_s, 0.1)):
                 return await self._flush()
         except TimeoutError:
+            return -1
+        except FencedError:
+            # another tracker won the election and writes the index: what this one still
+            # holds is that one's to write (it resumes every replica from its checkpoint)
+            logger.warning("pending index writes dropped: another tracker took over")
             return -1
 
     async def _flush(self) -> int:

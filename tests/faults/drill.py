@@ -54,12 +54,15 @@ def drill_config(
     heartbeat_s: float = 1.0,
     ttl_s: float = REPLICA_TTL_S,
     sentinel: bool = False,
+    tracker_lease_s: float = 0.0,
 ) -> StackConfig:
     """Four engines in their own processes (fault hooks on), two routers, haproxy; Redis
-    alone or (``sentinel``) as a primary, a replica and three Sentinels."""
+    alone or (``sentinel``) as a primary, a replica and three Sentinels; with
+    ``tracker_lease_s``, a second tracker on standby."""
     return StackConfig(
         replicas=ENGINES,
         sentinel=sentinel,
+        tracker_lease_s=tracker_lease_s,
         routers=2,
         model=MODEL,
         block_size=BLOCK_SIZE,

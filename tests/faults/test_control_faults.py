@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 
 import pytest
 
@@ -29,6 +30,7 @@ from tests.faults.workload import Result
 pytestmark = [pytest.mark.faults, pytest.mark.redis, pytest.mark.timeout(180)]
 OUTAGE_S = 3.0
 LEASE_TTL_S = 5.0  # kvrouter router's default --lease-ttl-s
+TRACKER_LEASE_S = 2.0
 ALL_EXACT: dict[int, Check] = dict.fromkeys(range(ENGINES), "exact")
 
 
@@ -74,6 +76,63 @@ async def test_tracker_sigkilled_and_restarted_catches_up_by_replay(
     record(row)
     assert consistency.ok, consistency
     assert row.recovery_s is not None, row
+
+
+async def test_tracker_sigkilled_standby_takes_over_within_its_lease(
+    drill_factory: DrillFactory,
+) -> None:
+    drill = await drill_factory(tracker_lease_s=TRACKER_LEASE_S)
+    workload = drill.workload()
+    standby = f"http://127.0.0.1:{drill.stack.standby_tracker_port}"
+
+    async def role(url: str) -> str:
+        return str((await drill.http.get(f"{url}/health")).json()["role"])
+
+    assert await role(drill.tracker_url) == "active" and await role(standby) == "standby"
+    state: dict[str, float] = {}
+
+    async def fault() -> float:
+        await drill.kill("tracker")  # no graceful hand-over: the lease must expire
+        state["takeover_s"] = await drill.until(
+            "the standby took over",
+            lambda: _is(role(standby), "active"),
+            timeout_s=TRACKER_LEASE_S + 5,
+        )
+        return time.monotonic()
+
+    marks = await run_drill(workload, fault)
+    assert_all_completed(workload.results)
+    tracker = await drill.metrics(standby)
+    replayed = metric_sum(tracker, "kvrouter_tracker_messages_total", source="replay")
+    assert metric_sum(tracker, "kvrouter_tracker_elections_won_total") == 1
+    assert replayed >= 1, "the standby did not catch up by replay"
+    assert not metric_sum(tracker, "kvrouter_tracker_resets_total"), "it started blind"
+    _, consistency = await settle(drill, range(ENGINES), ALL_EXACT)
+    row = make_row(
+        "3b",
+        "tracker SIGKILLed, a standby tracker takes over",
+        workload,
+        marks,
+        consistency,
+        notes=(
+            f"two trackers elected by a lease in Redis (--lease-ttl-s {TRACKER_LEASE_S:g}); "
+            f"the standby won it {state['takeover_s']:.1f} s after the kill, raised every "
+            "partition's fencing number (a paused old tracker's writes are refused from "
+            "then on) and resumed each replica from its checkpoint by replay "
+            f"({replayed:.0f} batches), without clearing anything; routing went on from the "
+            "index meanwhile."
+        ),
+        takeover_s=round(state["takeover_s"], 2),
+        replayed_batches=replayed,
+    )
+    record(row)
+    assert state["takeover_s"] <= TRACKER_LEASE_S + 1.5, row
+    assert consistency.ok, consistency
+    assert row.recovery_s is not None, row
+
+
+async def _is(value: Awaitable[str], expected: str) -> bool:
+    return await value == expected
 
 
 async def test_redis_killed_and_restarted_empty_routers_fail_open_index_rebuilt(

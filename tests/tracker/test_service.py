@@ -247,6 +247,7 @@ async def test_run_returns_zero_when_stopped() -> None:
         response = await client.get(f"http://127.0.0.1:{service.http_port}/health")
     assert response.json() == {
         "status": "ok",
+        "role": "active",
         "index": {"backend": "MemoryIndex", "reachable": True, "writes_pending": False},
         "replicas": {},
     }

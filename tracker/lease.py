@@ -1,0 +1,112 @@
+"""The tracker election: one tracker of a fleet applies events, the others wait on standby.
+
+Every replica's event stream must be sequenced, replayed and fenced by exactly one ledger.
+With ``--lease-ttl-s`` the trackers that share a Redis and an ``--election`` name hold an
+election there: the winner holds a lease (``SET NX PX``) and renews it every third of its
+TTL; the others retry as often and take over when it expires — within one TTL of the
+active tracker's death — resuming every replica from its checkpoint in Redis by replay, as
+a restarted tracker does.
+
+A lease alone does not stop a tracker that was paused (a stop-the-world pause, a network
+partition) from writing after its lease expired. So each win also draws a **fencing
+number** (``INCR``), every index write carries it, and the index refuses a write whose
+number is below the highest that has written the partition
+(:data:`tracker.lua.APPLY_FENCED`). The new tracker raises every known partition's fence
+before it reads any ledger back (:meth:`tracker.redis_index.RedisIndex.claim_partitions`),
+so from then on the old one cannot change what it reads. The old one learns it lost at its
+next renewal or its next write, whichever comes first, and stops (exit status 1: let the
+supervisor restart it, as a standby).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Awaitable
+from typing import Any
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from tracker import keys as schema
+from tracker import lua
+from tracker.errors import IndexUnavailableError
+
+
+class TrackerLease:
+    """This tracker's side of one election.
+
+    :param client: the index's Redis client.
+    :param election: the election's name (trackers of one fleet share it).
+    :param ttl_s: how long a lease lasts without renewal.
+    :param holder: this tracker's id in the lease (default: host, pid and a random suffix).
+    """
+
+    def __init__(
+        self, client: redis.Redis, election: str, ttl_s: float, holder: str | None = None
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.client = client
+        self.election = election
+        self.ttl_s = ttl_s
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.lease_key, self.fence_key = schema.tracker_lease(election)
+        self.fence = 0  # this tracker's fencing number while it holds the lease
+        self._acquire = client.register_script(lua.LEASE_ACQUIRE)
+        self._keep = client.register_script(lua.LEASE_KEEP)
+
+    @property
+    def _ttl_ms(self) -> int:
+        return max(1, int(self.ttl_s * 1000))
+
+    @property
+    def _value(self) -> str:
+        return f"{self.fence} {self.holder}"
+
+    async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
+        try:
+            return await coro
+        except (RedisError, OSError) as exc:
+            raise IndexUnavailableError(f"redis {what} failed: {exc}") from exc
+
+    async def acquire(self) -> int:
+        """Win the lease if it is free (or renew it if this tracker holds it): the fencing
+        number, or 0 if another tracker holds it.
+
+        :raises IndexUnavailableError: if Redis does not answer.
+        """
+        reply = await self._call(
+            "lease",
+            self._acquire(keys=[self.lease_key, self.fence_key], args=[self.holder, self._ttl_ms]),
+        )
+        self.fence = int(reply)
+        return self.fence
+
+    async def renew(self) -> bool:
+        """Extend the lease; False if this tracker no longer holds it.
+
+        :raises IndexUnavailableError: if Redis does not answer.
+        """
+        reply = await self._call(
+            "lease", self._keep(keys=[self.lease_key], args=[self._value, self._ttl_ms])
+        )
+        return bool(reply)
+
+    async def release(self) -> bool:
+        """Give the lease up (a graceful stop: a standby takes over at once, not after the
+        TTL); False if this tracker did not hold it.
+
+        :raises IndexUnavailableError: if Redis does not answer.
+        """
+        reply = await self._call("lease", self._keep(keys=[self.lease_key], args=[self._value, ""]))
+        return bool(reply)
+
+    async def holder_now(self) -> str | None:
+        """Who holds the lease now (``"<fence> <tracker id>"``), None if nobody.
+
+        :raises IndexUnavailableError: if Redis does not answer.
+        """
+        value = await self._call("lease", self.client.get(self.lease_key))
+        return None if value is None else bytes(value).decode()
