@@ -61,6 +61,12 @@ class TrackerSettings(ServiceSettings):
         "poll a replica's replay after this long without live events; events found there mean "
         "its live stream is silent (they are applied, and polled every second meanwhile); 0: off",
     )
+    unverified_after_s: float = setting(
+        60.0,
+        "drop a registered replica's placements once neither its live events nor its replay "
+        "have answered for this long (checked at the silence polls): nothing vouches for its "
+        "cache any more; they come back by replay when it answers; 0: never",
+    )
     reap_interval_s: float = setting(2.0, "how often to expire replicas that stopped heartbeating")
     memory_budget_mb: float = setting(
         0.0,
@@ -96,6 +102,8 @@ class TrackerSettings(ServiceSettings):
             raise ValueError("max_replays must be positive")
         if not self.silence_check_s >= 0:
             raise ValueError("silence_check_s must be >= 0")
+        if not self.unverified_after_s >= 0:
+            raise ValueError("unverified_after_s must be >= 0")
         if not self.memory_budget_mb >= 0:
             raise ValueError("memory_budget_mb must be >= 0")
         if not self.memory_check_s > 0:

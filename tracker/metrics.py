@@ -16,6 +16,7 @@ RESET_CAUSES: Final = (
     "unrecoverable_gap",
     "orphan_resync",
     "expired",
+    "unverifiable",
 )
 """Why a replica's blocks were dropped from the index (label ``cause``)."""
 

@@ -104,9 +104,12 @@ class ReplicaStream:
         self._replay = replay
         self._cooldown_s = settings.resync_cooldown_s
         self._silence_s = settings.silence_check_s
+        self._unverified_s = settings.unverified_after_s
         self._live_at = time.monotonic()  # last live message (or start)
         self._checked_at = self._live_at
+        self._heard_at = self._live_at  # last live message or replay answer (or start)
         self.silent = False
+        self.unverified = False
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.last: int | None = None
         self.live_high: int | None = None
@@ -160,6 +163,7 @@ class ReplicaStream:
             "resync_blocked": self.resync_blocked,
             "wire_era": None if self.era is None else self.era.value,
             "live_silent": self.silent,
+            "unverified": self.unverified,
         }
 
     # ----------------------------------------------------------- worker
@@ -243,6 +247,7 @@ class ReplicaStream:
     async def _on_live(self, message: Message) -> None:
         self._metrics.messages.labels("live").inc()
         self._live_at = time.monotonic()
+        self._heard()
         if self.silent:
             self.silent = False
             self._metrics.live_silent.labels(self.id).set(0)
@@ -370,7 +375,9 @@ class ReplicaStream:
         """
         self._checked_at = time.monotonic()
         if not await self._catch_up():
-            return  # an idle engine (or no answer: the replay issue is counted there)
+            # an idle engine (the replay answered with nothing new), or no answer at all
+            await self._check_heard()
+            return
         self._metrics.silent_polls.labels(self.id).inc()
         if not self.silent:
             self.silent = True
@@ -388,6 +395,33 @@ class ReplicaStream:
                 },
             )
 
+    async def _check_heard(self) -> None:
+        """The backstop for a registered replica whose events stopped: when neither its live
+        stream nor its replay has answered for ``unverified_after_s``, nothing vouches for
+        the blocks the index lists for it (its engine may have evicted them all since), so
+        they are dropped; the replay restores them once it answers again."""
+        quiet = time.monotonic() - self._heard_at
+        if not self._unverified_s or self.unverified or quiet < self._unverified_s:
+            return
+        self.unverified = True
+        logger.error(
+            "replica unverifiable: neither its live events nor its replay answered; its "
+            "placements are dropped until it answers",
+            extra={
+                "replica": self.id,
+                "quiet_s": round(quiet, 1),
+                "events": self.target.events,
+                "replay": self.target.replay,
+            },
+        )
+        await self._clear("unverifiable")
+
+    def _heard(self) -> None:
+        self._heard_at = time.monotonic()
+        if self.unverified:
+            self.unverified = False
+            logger.info("replica answers again", extra={"replica": self.id})
+
     # ----------------------------------------------------------- index operations
 
     async def _fetch(self, start: int, until: int | None = None) -> ReplayResult | None:
@@ -396,6 +430,8 @@ class ReplicaStream:
             self._metrics.replays.labels("no_endpoint").inc()
             return None
         result = await self._replay.fetch(self.id, self.target.replay, start, until)
+        if result.received:
+            self._heard()
         return result if result.received else None
 
     async def _apply_replayed(self, messages: list[Message], *, from_zero: bool = False) -> None:

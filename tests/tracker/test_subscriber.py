@@ -221,6 +221,31 @@ async def test_an_idle_engine_is_not_silent(make_tracker: Any, make_publisher: A
     assert tracker.value("kvrouter_tracker_silent_polls_total", replica="r1") == 0
 
 
+async def test_a_replica_nothing_answers_for_loses_its_placements_until_it_answers(
+    make_tracker: Any, make_publisher: Any
+) -> None:
+    """Its registry entry lives (heartbeats), but its event sockets are dead: neither live
+    events nor replay answers. After ``unverified_after_s`` nothing vouches for its cache."""
+    tracker = await make_tracker(silence_check_s=0.1, unverified_after_s=0.6)
+    pub = await make_publisher()
+    stream = await tracker.track("r1", pub)
+    await pub.publish(block_a())
+    await wait_until(lambda: stream.last == 0, what="live seq 0")
+    # an idle engine that answers its replay keeps its placements however long it is quiet
+    await wait_until(lambda: len(pub.replay_requests) >= 6, what="idle polls")
+    assert await held(tracker.index, A_TOKENS) == {"r1": 2} and not stream.unverified
+    pub.drop_replays = 10**6  # the event sockets die: nothing answers any more
+    await wait_until(lambda: stream.unverified, timeout_s=3.0, what="unverifiable")
+    assert await held(tracker.index, A_TOKENS) == {}
+    assert stream.status()["unverified"] is True
+    assert tracker.value("kvrouter_tracker_resets_total", cause="unverifiable") == 1
+    pub.drop_replays = 0  # it answers again: the replay from 0 brings its blocks back
+    await wait_until(lambda: not stream.unverified, timeout_s=3.0, what="answers again")
+    await wait_until(lambda: held(tracker.index, A_TOKENS), what="re-indexed by replay")
+    assert await held(tracker.index, A_TOKENS) == {"r1": 2}
+    assert tracker.value("kvrouter_tracker_resets_total", cause="unverifiable") == 1
+
+
 @pytest.mark.parametrize("layout", ["new", "old"])
 async def test_gap_is_replayed(make_tracker: Any, make_publisher: Any, layout: str) -> None:
     tracker = await make_tracker()
