@@ -18,9 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import redis as redis_sync
-
-from bench.procs import RedisServer
+from bench.procs import RedisServer, sync_redis
 from tracker.blocks import Namespace, block_keys
 from tracker.events import (
     BlockStored,
@@ -114,7 +112,7 @@ async def lookup_latency(
 
 def redis_cpu_s(url: str) -> float:
     """CPU seconds the redis-server process has used (user + system), from ``INFO cpu``."""
-    with redis_sync.Redis.from_url(url) as client:
+    with sync_redis(url) as client:
         info = client.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
@@ -171,13 +169,13 @@ async def memory_per_block(url: str, blocks: int) -> float:
     payloads, _ = workload(
         replicas=1, groups=blocks // 64, prefix_blocks=64, suffixes=0, suffix_blocks=0, seed=3
     )
-    with redis_sync.Redis.from_url(url) as client:
+    with sync_redis(url) as client:
         client.flushall()
         before = int(client.info("memory")["used_memory"])
     index = RedisIndex.from_url(url)
     await ingest(index, payloads)
     await index.close()
-    with redis_sync.Redis.from_url(url) as client:
+    with sync_redis(url) as client:
         after = int(client.info("memory")["used_memory"])
         client.flushall()
     return (after - before) / (blocks // 64 * 64)
@@ -214,14 +212,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     server = None if args.redis else RedisServer().start()
     url = args.redis or server.url  # type: ignore[union-attr]
     try:
-        with redis_sync.Redis.from_url(url) as client:
+        with sync_redis(url) as client:
             client.flushall()
             before = int(client.info("memory")["used_memory"])
         index = RedisIndex.from_url(url)
         cpu = redis_cpu_s(url)
         seconds = await ingest(index, payloads)
         ingest_cpu = redis_cpu_s(url) - cpu
-        with redis_sync.Redis.from_url(url) as client:
+        with sync_redis(url) as client:
             after = int(client.info("memory")["used_memory"])
         lookup = await lookup_latency(index, 512, 8, args.iterations, 2)
         capacity = [
