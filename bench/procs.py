@@ -212,12 +212,13 @@ def sync_redis(url: str, timeout_s: float = 5.0) -> Iterator[Any]:
             yield client
         return
     parsed = parse_sentinel_url(url)
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    make: Any = Sentinel  # typed by redis-py only from 8.2 on: either way type-checks
+    sentinel = make(
         list(parsed.sentinels),
         sentinel_kwargs={"socket_timeout": timeout_s, "password": parsed.sentinel_password},
     )
     try:
-        with sentinel.master_for(  # type: ignore[no-untyped-call]
+        with sentinel.master_for(
             parsed.service,
             db=parsed.db,
             username=parsed.username,

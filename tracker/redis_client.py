@@ -21,7 +21,7 @@ clients for other languages accept, with the service name as the path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis.asyncio as redis
@@ -34,6 +34,8 @@ from tracker.errors import ConfigError
 from tracker.settings import redact_url
 
 SENTINEL_PORT: Final = 26379
+# redis-py types Sentinel from 8.2 on; called through Any, the code type-checks on either side
+_SENTINEL: Any = Sentinel
 SENTINEL_SCHEMES: Final = {"redis+sentinel": False, "rediss+sentinel": True}
 
 
@@ -134,7 +136,7 @@ def open_redis(url: str, *, timeout_s: float = 2.0) -> RedisConnection:
     """
     if urlsplit(url).scheme in SENTINEL_SCHEMES:
         parsed = parse_sentinel_url(url)
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        sentinel: Sentinel = _SENTINEL(
             list(parsed.sentinels),
             sentinel_kwargs={
                 "socket_timeout": timeout_s,
