@@ -184,7 +184,9 @@ class TrackerService:
             except IndexUnavailableError:
                 continue  # past the TTL another tracker may win; this one's writes are fenced
             if not kept:
-                holder = await lease.holder_now()
+                holder = None
+                with contextlib.suppress(IndexUnavailableError):
+                    holder = await lease.holder_now()
                 raise FencedError(f"lost the tracker lease (fence {lease.fence}) to {holder}")
 
     async def _sleep(self, seconds: float) -> bool:
@@ -270,12 +272,8 @@ class TrackerService:
         return int(self.settings.memory_budget_mb * 2**20)
 
     async def _memory_loop(self) -> None:
-        while not self._stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.memory_check_s):
-                    await self._stopping.wait()
-            if not self._stopping.is_set():
-                await self._check_memory()
+        while not await self._sleep(self.settings.memory_check_s):
+            await self._check_memory()
 
     async def _check_memory(self, *, at_start: bool = False) -> None:
         """Read Redis's eviction policy and memory use: a policy that evicts index keys
@@ -335,9 +333,8 @@ class TrackerService:
                 if not failing:
                     logger.warning("replica registry unavailable", extra={"error": str(exc)})
                 failing = True
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.reap_interval_s):
-                    await self._stopping.wait()
+            if await self._sleep(self.settings.reap_interval_s):
+                return
 
     async def _registry_pass(self) -> None:
         # a Redis that restarted empty: idle replicas would stay out of the index otherwise
