@@ -1,5 +1,5 @@
-"""Local processes for benchmarks and tests: loopback ports, a throwaway redis-server, and
-a primary with a replica and three Sentinels."""
+"""Local processes for benchmarks and tests: loopback ports, a throwaway redis-server, a
+primary with a replica and three Sentinels, and a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -15,9 +15,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
-from tracker.redis_client import SENTINEL_SCHEMES, parse_sentinel_url
+from tracker.redis_client import (
+    CLUSTER_SCHEMES,
+    SENTINEL_SCHEMES,
+    parse_cluster_url,
+    parse_sentinel_url,
+)
 
 
 def free_port() -> int:
@@ -122,7 +128,13 @@ class RedisSentinels:
         self.primary = RedisServer()
         self.replica = RedisServer("--replicaof", "127.0.0.1", str(self.primary.port))
         self.down_after_ms = down_after_ms
-        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.sentinel_ports: list[int] = []
+        taken = {self.primary.port, self.replica.port}
+        while len(self.sentinel_ports) < 3:  # free ports are drawn one by one: no repeats
+            port = free_port()
+            if port not in taken:
+                taken.add(port)
+                self.sentinel_ports.append(port)
         self.dir = Path(tempfile.mkdtemp(prefix="kvr-sentinel-"))
         self._sentinels: list[subprocess.Popen[bytes]] = []
 
@@ -207,7 +219,20 @@ class RedisSentinels:
 def sync_redis(url: str, timeout_s: float = 5.0) -> Iterator[Any]:
     """A blocking client for ``url`` (a server, or the primary a Sentinel URL names), closed
     after: for benchmarks' and tests' checks."""
-    if urlsplit(url).scheme not in SENTINEL_SCHEMES:
+    scheme = urlsplit(url).scheme
+    if scheme in CLUSTER_SCHEMES:
+        cluster = parse_cluster_url(url)
+        node: Any = ClusterNode  # untyped in redis-py's sync cluster module
+        nodes = [node(host, port) for host, port in cluster.nodes]
+        with RedisCluster(
+            startup_nodes=nodes,
+            username=cluster.username,
+            password=cluster.password,
+            socket_timeout=timeout_s,
+        ) as client:
+            yield client
+        return
+    if scheme not in SENTINEL_SCHEMES:
         with redis.Redis.from_url(url, socket_timeout=timeout_s) as client:
             yield client
         return
@@ -228,4 +253,76 @@ def sync_redis(url: str, timeout_s: float = 5.0) -> Iterator[Any]:
             yield client
     finally:
         for node in sentinel.sentinels:
+            node.close()
+
+
+class RedisClusterNodes:
+    """A Redis Cluster on loopback: ``masters`` masters with ``replicas`` replicas each,
+    created with ``redis-cli --cluster create``. :attr:`url` is the ``redis+cluster://`` URL
+    every kvrouter part accepts."""
+
+    def __init__(self, masters: int = 3, replicas: int = 1) -> None:
+        self.masters, self.replicas = masters, replicas
+        count = masters * (1 + replicas)
+        while True:  # free ports are drawn one by one: the same one may come twice
+            # the bus port defaults to port + 10000, past 65535 for a high free port
+            bus = [free_port() for _ in range(count)]
+            self.nodes = [
+                RedisServer(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-port",
+                    str(port),
+                )
+                for port in bus
+            ]
+            ports = [*bus, *(node.port for node in self.nodes)]
+            if len(set(ports)) == len(ports):
+                break
+            self.close()
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[: self.masters])
+        return f"redis+cluster://{hosts}"
+
+    def start(self, timeout_s: float = 30.0) -> RedisClusterNodes:
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, timeout_s: float) -> RedisClusterNodes:
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            timeout=timeout_s,
+            check=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        for node in self.nodes:  # every node agrees the cluster is whole
+            with redis.Redis(port=node.port, socket_timeout=2.0) as client:
+                while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the cluster did not come up")
+                    time.sleep(0.05)
+        return self
+
+    def close(self) -> None:
+        for node in self.nodes:
             node.close()

@@ -95,8 +95,8 @@ class ReplicaSettings(ServiceSettings):
     )
     redis: str | None = setting(
         None,
-        "registry Redis URL (or redis+sentinel://HOST:PORT,.../SERVICE): register every "
-        "engine and heartbeat",
+        "registry Redis URL (or redis+sentinel://HOST:PORT,.../SERVICE, "
+        "redis+cluster://HOST:PORT,...): register every engine and heartbeat",
     )
     heartbeat_s: float = setting(5.0, "seconds between registry heartbeats")
     ttl_s: float = setting(15.0, "registry entries expire this long after the last heartbeat")

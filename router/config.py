@@ -47,7 +47,8 @@ class RouterSettings(ServiceSettings):
     redis: str | None = setting(
         None,
         "Redis URL of the shared index, load and registry (or "
-        "redis+sentinel://HOST:PORT,.../SERVICE); omit: embedded index + tracker",
+        "redis+sentinel://HOST:PORT,.../SERVICE, redis+cluster://HOST:PORT,...); omit: "
+        "embedded index + tracker",
     )
     replica: tuple[str, ...] = setting(
         (),

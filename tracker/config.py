@@ -37,7 +37,8 @@ class TrackerSettings(ServiceSettings):
     redis: str | None = setting(
         None,
         "Redis URL of the shared index (redis://, rediss://, unix://, "
-        "redis+sentinel://HOST:PORT,.../SERVICE); omit for embedded",
+        "redis+sentinel://HOST:PORT,.../SERVICE, redis+cluster://HOST:PORT,...); omit for "
+        "embedded",
     )
     replica: tuple[str, ...] = setting(
         (),
@@ -122,7 +123,8 @@ class LookupSettings(LogSettings):
 
     redis: str = setting(
         "redis://127.0.0.1:6379/0",
-        "Redis URL of the shared index (or redis+sentinel://HOST:PORT,.../SERVICE)",
+        "Redis URL of the shared index (or redis+sentinel://HOST:PORT,.../SERVICE, "
+        "redis+cluster://HOST:PORT,...)",
     )
     model: str = setting("default", "model namespace")
     block_size: int = setting(16, "block size of the namespace")

@@ -14,8 +14,16 @@ URL works the same for the tracker, the routers, the replicas' registration and
   the next command (one retry, see :data:`RETRY`) reaches the promoted replica; a demoted
   primary's ``READONLY`` answer also sends it back to the Sentinels.
 
+* ``redis+cluster://[[user]:password@]host[:port][,host[:port]…]`` (and ``rediss+cluster://``):
+  startup nodes of a Redis Cluster (port 6379 by default). redis-py's cluster client learns
+  the slot map from them, sends each command to the master of its key's slot and follows
+  ``MOVED`` and ``ASK``. Every script call of kvrouter's touches one partition, and every
+  partition is one slot, so partitions of different models spread over the masters.
+
 redis-py has no URL form for Sentinel; the scheme is the one Celery, Kombu and several Redis
-clients for other languages accept, with the service name as the path.
+clients for other languages accept, with the service name as the path. Cluster URLs follow
+it (``redis://`` alone cannot say "cluster": a cluster node answers plain commands too, with
+``MOVED`` for every key it does not own).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any, Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis.asyncio as redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
@@ -34,6 +43,8 @@ from tracker.errors import ConfigError
 from tracker.settings import redact_url
 
 SENTINEL_PORT: Final = 26379
+REDIS_PORT: Final = 6379
+CLUSTER_SCHEMES: Final = {"redis+cluster": False, "rediss+cluster": True}
 # redis-py types Sentinel from 8.2 on; called through Any, the code type-checks on either side
 _SENTINEL: Any = Sentinel
 SENTINEL_SCHEMES: Final = {"redis+sentinel": False, "rediss+sentinel": True}
@@ -67,12 +78,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     parts = urlsplit(url)
     if parts.scheme not in SENTINEL_SCHEMES:
         raise ConfigError(f"not a Sentinel URL (redis+sentinel://…): {shown!r}")
-    credentials, _, hosts = parts.netloc.rpartition("@")
-    username, _, password = credentials.partition(":")
-    sentinels: list[tuple[str, int]] = []
-    for node in hosts.split(","):
-        host, port = _host_port(node, shown)
-        sentinels.append((host, port))
+    username, password, sentinels = _credentials_and_nodes(parts.netloc, SENTINEL_PORT, shown)
     path = [p for p in parts.path.split("/") if p]
     if not path or len(path) > 2:
         raise ConfigError(f"a Sentinel URL ends in /service or /service/db: {shown!r}")
@@ -90,27 +96,61 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         sentinels=tuple(sentinels),
         service=unquote(path[0]),
         db=db,
-        username=unquote(username) or None,
-        password=unquote(password) or None,
+        username=username,
+        password=password,
         sentinel_password=sentinel_password,
         ssl=SENTINEL_SCHEMES[parts.scheme],
     )
 
 
-def _host_port(node: str, shown: str) -> tuple[str, int]:
+@dataclass(frozen=True, slots=True)
+class ClusterURL:
+    """A parsed ``redis+cluster://`` URL."""
+
+    nodes: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = None
+    ssl: bool = False
+
+
+def parse_cluster_url(url: str) -> ClusterURL:
+    """Parse a ``redis+cluster://`` URL.
+
+    :raises ConfigError: if it is not one, names no node, or has a path or options.
+    """
+    shown = redact_url(url)
+    parts = urlsplit(url)
+    if parts.scheme not in CLUSTER_SCHEMES:
+        raise ConfigError(f"not a Redis Cluster URL (redis+cluster://…): {shown!r}")
+    if parts.path.strip("/") or parts.query:
+        raise ConfigError(f"a Redis Cluster URL has no database or options: {shown!r}")
+    username, password, nodes = _credentials_and_nodes(parts.netloc, REDIS_PORT, shown)
+    return ClusterURL(tuple(nodes), username, password, CLUSTER_SCHEMES[parts.scheme])
+
+
+def _credentials_and_nodes(
+    netloc: str, default_port: int, shown: str
+) -> tuple[str | None, str | None, list[tuple[str, int]]]:
+    credentials, _, hosts = netloc.rpartition("@")
+    username, _, password = credentials.partition(":")
+    nodes = [_host_port(node, default_port, shown) for node in hosts.split(",")]
+    return unquote(username) or None, unquote(password) or None, nodes
+
+
+def _host_port(node: str, default_port: int, shown: str) -> tuple[str, int]:
     if not node:
-        raise ConfigError(f"empty Sentinel address in {shown!r}")
+        raise ConfigError(f"empty address in {shown!r}")
     if node.startswith("["):  # [::1]:26379
         host, _, rest = node[1:].partition("]")
         port = rest.removeprefix(":")
     else:
         host, _, port = node.rpartition(":") if ":" in node else (node, "", "")
     if not host:
-        raise ConfigError(f"empty Sentinel host in {shown!r}")
+        raise ConfigError(f"empty host in {shown!r}")
     if not port:
-        return host, SENTINEL_PORT
+        return host, default_port
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"bad Sentinel port {port!r} in {shown!r}")
+        raise ConfigError(f"bad port {port!r} in {shown!r}")
     return host, int(port)
 
 
@@ -134,7 +174,20 @@ def open_redis(url: str, *, timeout_s: float = 2.0) -> RedisConnection:
 
     :raises ConfigError: if the URL is malformed.
     """
-    if urlsplit(url).scheme in SENTINEL_SCHEMES:
+    scheme = urlsplit(url).scheme
+    if scheme in CLUSTER_SCHEMES:
+        cluster = parse_cluster_url(url)
+        nodes = [ClusterNode(host, port) for host, port in cluster.nodes]
+        client: Any = RedisCluster(
+            startup_nodes=nodes,
+            username=cluster.username,
+            password=cluster.password,
+            ssl=cluster.ssl,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+        )
+        return RedisConnection(client)
+    if scheme in SENTINEL_SCHEMES:
         parsed = parse_sentinel_url(url)
         sentinel: Sentinel = _SENTINEL(
             list(parsed.sentinels),

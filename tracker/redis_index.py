@@ -23,6 +23,7 @@ from typing import Any, Final
 
 import msgspec
 import redis.asyncio as redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from tracker import keys as schema
@@ -373,12 +374,12 @@ class RedisIndex:
         return len(nsids)
 
     async def server_id(self) -> str:
-        """The answering server's ``run_id`` (new with every server process).
+        """The answering server's ``run_id`` (new with every server process); of a cluster,
+        its masters' (a failover of any one of them changes it).
 
         :raises IndexUnavailableError: if Redis does not answer.
         """
-        info = await self._call("info server", self.client.info("server"))
-        return str(info.get("run_id", ""))
+        return ",".join(str(info.get("run_id", "")) for info in await self._infos("server"))
 
     async def _reconcile(self, replica: str, namespace: Namespace) -> int:
         """Make Redis hold exactly what the replica's ledger says; 1 if anything differed.
@@ -620,12 +621,24 @@ class RedisIndex:
 
         :raises IndexUnavailableError: if Redis does not answer.
         """
-        info = await self._call("info memory", self.client.info("memory"))
+        infos = await self._infos("memory")
+        # a cluster: the sum over its masters, and the worst policy any of them has
+        policies = [str(info.get("maxmemory_policy", "noeviction")) for info in infos]
+        evicting = [p for p in policies if RedisMemory(p, 0, 0).evicts_index]
         return RedisMemory(
-            policy=str(info.get("maxmemory_policy", "noeviction")),
-            used_bytes=int(info.get("used_memory", 0)),
-            max_bytes=int(info.get("maxmemory", 0)),
+            policy=(evicting or policies)[0],
+            used_bytes=sum(int(info.get("used_memory", 0)) for info in infos),
+            max_bytes=sum(int(info.get("maxmemory", 0)) for info in infos),
         )
+
+    async def _infos(self, section: str) -> list[dict[str, Any]]:
+        """``INFO section`` of the server, or of every master of a cluster."""
+        if isinstance(self.client, RedisCluster):
+            nodes = await self._call(
+                f"info {section}", self.client.info(section, target_nodes=RedisCluster.PRIMARIES)
+            )
+            return [nodes[name] for name in sorted(nodes)]
+        return [await self._call(f"info {section}", self.client.info(section))]
 
     async def ping(self) -> bool:
         try:
