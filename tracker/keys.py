@@ -32,9 +32,9 @@ key                             type   content
 ``P:T:plive``                   STRING set while any prediction may be live (expires
                                        with the longest); spares the tracker's writes
                                        the prediction check when there are none
-``P:T:fence``                   STRING highest fencing number of a tracker that wrote the
-                                       partition (trackers elected by lease); APPLY
-                                       refuses lower ones
+``P:T:fence:<election>``        STRING highest fencing number of a tracker of election
+                                       ``N`` that wrote the partition; APPLY refuses
+                                       lower ones of that election
 ``P:namespaces``                HASH   nsid -> JSON {model, block_size}
 ``P:{tracker:N}:lease``         STRING the tracker lease of election ``N``: ``<fencing
                                        number> <tracker id>``, expiring unless renewed
@@ -87,7 +87,6 @@ class NamespaceKeys:
     __slots__ = (
         "block_prefix",
         "engine_prefix",
-        "fence",
         "home_prefix",
         "load",
         "nsid",
@@ -117,7 +116,11 @@ class NamespaceKeys:
         self.load = f"{self.tag}:load"
         self.stats = f"{self.tag}:stats"
         self.plive = f"{self.tag}:plive"
-        self.fence = f"{self.tag}:fence"
+
+    def fence(self, election: str) -> str:
+        """The partition's fence for the trackers of ``election`` (elections over disjoint
+        replicas of one model must not fence each other)."""
+        return f"{self.tag}:fence:{election}"
 
     @staticmethod
     def stats_fields(replica: str) -> tuple[str, str]:

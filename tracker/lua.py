@@ -33,7 +33,8 @@ end
 """
 )
 
-# KEYS: [seq hash, rid hash, rname hash, ridseq, free rid set, partition fence]
+# KEYS: [seq hash, rid hash, rname hash, ridseq, free rid set, partition fence of the
+#        writer's election]
 # ARGV: [replica, seq ("" keep, "-" delete, else set), rid, key prefix with hash tag,
 #        placements: n x (8-byte block key .. 1-byte tiers),
 #        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. 12-byte value),

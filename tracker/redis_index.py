@@ -124,6 +124,7 @@ class RedisIndex:
         self._server: str | None = None  # run_id of the server the ledgers were last written to
         self._raise_fence = client.register_script(lua.FENCE_RAISE)
         self.fence = 0  # fencing number of the elected tracker writing through this (0: none)
+        self.election = ""  # ... and its election
         self._apply = client.register_script(lua.APPLY)
         self._lookup = client.register_script(lua.LOOKUP)
         self._predict = client.register_script(lua.PREDICT)
@@ -251,7 +252,7 @@ class RedisIndex:
     async def _write(self, replica: str, namespace: Namespace, pending: _Pending) -> list[Any]:
         rid = await self.rid(replica, namespace)
         nk = self.keys_for(namespace)
-        keys = [nk.seq, nk.rid, nk.rname, nk.ridseq, nk.ridfree, nk.fence]
+        keys = [nk.seq, nk.rid, nk.rname, nk.ridseq, nk.ridfree, nk.fence(self.election)]
         placements = list(pending.changes.placements.items())
         engine = list(pending.changes.engine.items())
         calls = max(1, -(-max(len(placements), len(engine)) // OPS_PER_CALL))
@@ -352,21 +353,25 @@ class RedisIndex:
                 await self._commit(*key, LedgerChanges(), self._seqs.get(key, ""))
         return len(lost)
 
-    async def claim_partitions(self, fence: int) -> int:
-        """Raise every known partition's fence to ``fence`` (a tracker that just won the
-        election, before it reads any ledger back): from then on the index refuses the
-        writes of any tracker elected before it. Returns how many partitions it claimed.
+    async def claim_partitions(self, fence: int, election: str) -> int:
+        """Raise every known partition's fence of ``election`` to ``fence`` (a tracker that
+        just won the election, before it reads any ledger back): from then on the index
+        refuses the writes of any tracker of that election elected before it. Returns how
+        many partitions it claimed.
 
         :raises FencedError: if a tracker elected after this one already claimed one.
         """
-        self.fence = fence
+        self.fence, self.election = fence, election
         nsids = await self._call("namespaces", self.client.hgetall(schema.NAMESPACES))
         for raw in nsids.values():
             meta = msgspec.json.decode(raw)
             namespace = Namespace(str(meta["model"]), int(meta["block_size"]))
             newest = int(
                 await self._call(
-                    "fence", self._raise_fence(keys=[self.keys_for(namespace).fence], args=[fence])
+                    "fence",
+                    self._raise_fence(
+                        keys=[self.keys_for(namespace).fence(election)], args=[fence]
+                    ),
                 )
             )
             if newest > fence:

@@ -50,7 +50,7 @@ class _Metered(Protocol):
 
 @runtime_checkable
 class _Fencing(Protocol):
-    async def claim_partitions(self, fence: int) -> int: ...
+    async def claim_partitions(self, fence: int, election: str) -> int: ...
 
 
 def static_targets(settings: TrackerSettings) -> list[ReplicaTarget]:
@@ -160,7 +160,7 @@ class TrackerService:
             try:
                 fence = await lease.acquire()
                 if fence and isinstance(self.index, _Fencing):
-                    await self.index.claim_partitions(fence)
+                    await self.index.claim_partitions(fence, lease.election)
                 if fence:
                     break
                 unreachable = False

@@ -87,11 +87,11 @@ async def test_a_stale_tracker_cannot_write_once_the_next_one_claimed_the_partit
     old, new = RedisIndex.from_url(redis_url), RedisIndex.from_url(redis_url)
     try:
         batch = EventBatch(0.0, [block_a()], 0)
-        assert await old.claim_partitions(1) == 0  # nothing written yet
+        assert await old.claim_partitions(1, "fleet") == 0  # nothing written yet
         await old.apply("r1", NS, batch, 0)
         assert await held(new, A_TOKENS) == {"r1": 2}
         # a paused old tracker lost its lease; the new one claims before it reads anything
-        assert await new.claim_partitions(2) == 1
+        assert await new.claim_partitions(2, "fleet") == 1
         with pytest.raises(FencedError):
             await old.apply("r2", NS, batch, 0)
         with pytest.raises(FencedError):
@@ -100,10 +100,31 @@ async def test_a_stale_tracker_cannot_write_once_the_next_one_claimed_the_partit
         await new.apply("r2", NS, batch, 0)
         assert await held(new, A_TOKENS) == {"r1": 2, "r2": 2}
         with pytest.raises(FencedError):  # and an old tracker cannot claim them back
-            await old.claim_partitions(1)
+            await old.claim_partitions(1, "fleet")
     finally:
         await old.close()
         await new.close()
+
+
+async def test_elections_over_other_replicas_of_one_model_do_not_fence_each_other(
+    redis_url: str,
+) -> None:
+    # a fleet too big for one tracker: its replicas split over two elections, same model
+    east, west = RedisIndex.from_url(redis_url), RedisIndex.from_url(redis_url)
+    try:
+        batch = EventBatch(0.0, [block_a()], 0)
+        await east.apply("east-1", NS, batch, 0)
+        await west.apply("west-1", NS, batch, 0)
+        assert await east.claim_partitions(7, "east") == 1
+        assert await west.claim_partitions(1, "west") == 1  # a lower number, another election
+        await east.apply("east-2", NS, batch, 0)
+        await west.apply("west-2", NS, batch, 0)
+        assert await held(east, A_TOKENS) == {
+            f"{s}-{i}": 2 for s in ("east", "west") for i in (1, 2)
+        }
+    finally:
+        await east.close()
+        await west.close()
 
 
 @pytest.fixture

@@ -97,7 +97,7 @@ async def test_router_load_and_the_tracker_election_work_on_a_cluster(cluster_ur
         first = TrackerLease(index.client, "fleet", 5.0, holder="a")
         second = TrackerLease(index.client, "fleet", 5.0, holder="b")
         assert (await first.acquire(), await second.acquire()) == (1, 0)
-        assert await index.claim_partitions(first.fence) == 0
+        assert await index.claim_partitions(first.fence, "fleet") == 0
     finally:
         for board in boards:
             await board.stop()
