@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 import redis
@@ -126,12 +126,14 @@ def sentinels() -> Iterator[RedisSentinels]:
         group.close()
 
 
-async def _until_written(index: RedisIndex, write: object, timeout_s: float) -> float:
-    """Retry ``write`` (a coroutine factory) until Redis takes it; seconds it took."""
+async def _until_written(
+    index: RedisIndex, write: Callable[[], Awaitable[object]], timeout_s: float
+) -> float:
+    """Retry ``write`` until Redis takes it; seconds it took."""
     started = time.monotonic()
     while True:
         try:
-            await write()  # type: ignore[operator]
+            await write()
             if await index.flush() == 0:
                 return time.monotonic() - started
         except IndexUnavailableError:
