@@ -23,15 +23,12 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Awaitable
-from typing import Any
 
 import redis.asyncio as redis
-from redis.exceptions import RedisError
 
 from tracker import keys as schema
 from tracker import lua
-from tracker.errors import IndexUnavailableError
+from tracker.redis_client import redis_call
 
 
 class TrackerLease:
@@ -65,19 +62,13 @@ class TrackerLease:
     def _value(self) -> str:
         return f"{self.fence} {self.holder}"
 
-    async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
-        try:
-            return await coro
-        except (RedisError, OSError) as exc:
-            raise IndexUnavailableError(f"redis {what} failed: {exc}") from exc
-
     async def acquire(self) -> int:
         """Win the lease if it is free (or renew it if this tracker holds it): the fencing
         number, or 0 if another tracker holds it.
 
         :raises IndexUnavailableError: if Redis does not answer.
         """
-        reply = await self._call(
+        reply = await redis_call(
             "lease",
             self._acquire(keys=[self.lease_key, self.fence_key], args=[self.holder, self._ttl_ms]),
         )
@@ -89,7 +80,7 @@ class TrackerLease:
 
         :raises IndexUnavailableError: if Redis does not answer.
         """
-        reply = await self._call(
+        reply = await redis_call(
             "lease", self._keep(keys=[self.lease_key], args=[self._value, self._ttl_ms])
         )
         return bool(reply)
@@ -100,7 +91,7 @@ class TrackerLease:
 
         :raises IndexUnavailableError: if Redis does not answer.
         """
-        reply = await self._call("lease", self._keep(keys=[self.lease_key], args=[self._value, ""]))
+        reply = await redis_call("lease", self._keep(keys=[self.lease_key], args=[self._value, ""]))
         return bool(reply)
 
     async def holder_now(self) -> str | None:
@@ -108,5 +99,5 @@ class TrackerLease:
 
         :raises IndexUnavailableError: if Redis does not answer.
         """
-        value = await self._call("lease", self.client.get(self.lease_key))
+        value = await redis_call("lease", self.client.get(self.lease_key))
         return None if value is None else bytes(value).decode()

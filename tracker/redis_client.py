@@ -11,7 +11,7 @@ URL works the same for the tracker, the routers, the replicas' registration and
   default) and the name of the monitored primary. The user and password are the data
   servers'; ``?sentinel_password=…`` authenticates to the Sentinels if they need it. The
   client asks the Sentinels for the primary on every new connection, so after a failover
-  the next command (one retry, see :data:`RETRY`) reaches the promoted replica; a demoted
+  the next command (one retry, see :func:`retry`) reaches the promoted replica; a demoted
   primary's ``READONLY`` answer also sends it back to the Sentinels.
 
 * ``redis+cluster://[[user]:password@]host[:port][,host[:port]…]`` (and ``rediss+cluster://``):
@@ -28,6 +28,7 @@ it (``redis://`` alone cannot say "cluster": a cluster node answers plain comman
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -38,16 +39,26 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
-from tracker.errors import ConfigError
+from tracker.errors import ConfigError, IndexUnavailableError
 from tracker.settings import redact_url
 
 SENTINEL_PORT: Final = 26379
 REDIS_PORT: Final = 6379
 CLUSTER_SCHEMES: Final = {"redis+cluster": False, "rediss+cluster": True}
+SENTINEL_SCHEMES: Final = {"redis+sentinel": False, "rediss+sentinel": True}
 # redis-py types Sentinel from 8.2 on; called through Any, the code type-checks on either side
 _SENTINEL: Any = Sentinel
-SENTINEL_SCHEMES: Final = {"redis+sentinel": False, "rediss+sentinel": True}
+
+
+async def redis_call(what: str, coro: Awaitable[Any]) -> Any:
+    """Await a Redis command; any Redis or socket failure becomes
+    :class:`~tracker.errors.IndexUnavailableError` naming ``what`` failed."""
+    try:
+        return await coro
+    except (RedisError, OSError) as exc:
+        raise IndexUnavailableError(f"redis {what} failed: {exc}") from exc
 
 
 def retry() -> Retry:

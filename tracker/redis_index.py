@@ -33,7 +33,7 @@ from tracker.errors import FencedError, IndexUnavailableError
 from tracker.events import EventBatch
 from tracker.index import ApplyResult, Home, Match, ReplicaRecord, Residency, Survey
 from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
-from tracker.redis_client import RedisConnection, open_redis
+from tracker.redis_client import RedisConnection, open_redis, redis_call
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +143,8 @@ class RedisIndex:
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 2.0) -> RedisIndex:
-        """Open the index at ``url``: a server or a Sentinel-monitored primary
-        (:func:`tracker.redis_client.open_redis`)."""
+        """Open the index at ``url``: a server, a Sentinel-monitored primary or a Redis
+        Cluster (:func:`tracker.redis_client.open_redis`)."""
         connection = open_redis(url, timeout_s=timeout_s)
         return cls(connection.client, connection)
 
@@ -155,11 +155,7 @@ class RedisIndex:
             nk = self._keys[base] = schema.NamespaceKeys(base)
         return nk
 
-    async def _call(self, what: str, coro: Any) -> Any:
-        try:
-            return await coro
-        except (RedisError, OSError) as exc:
-            raise IndexUnavailableError(f"redis {what} failed: {exc}") from exc
+    _call = staticmethod(redis_call)
 
     async def rid(self, replica: str, namespace: Namespace) -> int:
         """The replica's short numeric id in ``namespace``, allocated on first use."""
@@ -629,7 +625,7 @@ class RedisIndex:
         infos = await self._infos("memory")
         # a cluster: the sum over its masters, and the worst policy any of them has
         policies = [str(info.get("maxmemory_policy", "noeviction")) for info in infos]
-        evicting = [p for p in policies if RedisMemory(p, 0, 0).evicts_index]
+        evicting = [p for p in policies if p in EVICTING_POLICIES]
         return RedisMemory(
             policy=(evicting or policies)[0],
             used_bytes=sum(int(info.get("used_memory", 0)) for info in infos),

@@ -159,9 +159,9 @@ class TrackerService:
         while not self._stopping.is_set():
             try:
                 fence = await lease.acquire()
-                if fence and isinstance(self.index, _Fencing):
-                    await self.index.claim_partitions(fence, lease.election)
                 if fence:
+                    if isinstance(self.index, _Fencing):
+                        await self.index.claim_partitions(fence, lease.election)
                     break
                 unreachable = False
             except IndexUnavailableError as exc:
