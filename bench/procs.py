@@ -119,6 +119,13 @@ def sentinel_config(port: int, workdir: Path, primary_port: int, *, down_after_m
     return path
 
 
+def sentinel_primary_port(sentinel_port: int) -> int:
+    """The port of the server the Sentinel on ``sentinel_port`` names as primary now."""
+    with redis.Redis(port=sentinel_port, socket_timeout=2.0) as sentinel:
+        _, port = sentinel.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
+    return int(port)
+
+
 class RedisSentinels:
     """A primary, one replica of it and three Sentinels (quorum 2) on loopback: the smallest
     Redis deployment that fails over by itself. :attr:`url` is the ``redis+sentinel://`` URL
@@ -164,36 +171,18 @@ class RedisSentinels:
             wait_for_port(port)
         return self
 
-    def ask(self, *command: str) -> str:
-        """One Sentinel's answer to ``command`` (``redis-cli`` output), for checks."""
-        out = subprocess.run(
-            ["redis-cli", "-p", str(self.sentinel_ports[0]), *command],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-        return out.stdout
-
     def primary_port(self) -> int:
         """The port of the server the Sentinels name as primary now."""
-        return int(self.ask("sentinel", "get-master-addr-by-name", SENTINEL_SERVICE).split()[1])
+        return sentinel_primary_port(self.sentinel_ports[0])
 
     def wait_replicated(self, timeout_s: float = 10.0) -> None:
-        """Return once the replica is linked to the primary and caught up."""
+        """Return once the replica is linked to the primary."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            info = subprocess.run(
-                ["redis-cli", "-p", str(self.replica.port), "info", "replication"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=True,
-            ).stdout
-            if "master_link_status:up" in info:
-                return
-            time.sleep(0.05)
-        raise TimeoutError("the replica did not link to the primary")
+        with redis.Redis(port=self.replica.port, socket_timeout=timeout_s) as client:
+            while client.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the replica did not link to the primary")
+                time.sleep(0.05)
 
     def wait_failover(self, old_port: int, timeout_s: float = 30.0) -> int:
         """Wait until the Sentinels name a primary other than ``old_port``; its port."""

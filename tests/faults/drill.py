@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import httpx
-import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import SENTINEL_SERVICE, sync_redis
+from bench.procs import sentinel_primary_port, sync_redis
 from bench.stack import LocalStack, StackConfig
 from tests.faults.workload import MODEL, Result, Workload
 from tracker.blocks import Namespace
@@ -227,10 +226,7 @@ class Drill:
 
     def sentinel_primary(self) -> int:
         """The port of the Redis server the stack's Sentinels name as primary now."""
-        port = self.stack.sentinel_ports[0]
-        with redis.Redis(port=port, socket_timeout=2.0) as sentinel:
-            _, primary = sentinel.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
-        return int(primary)
+        return sentinel_primary_port(self.stack.sentinel_ports[0])
 
     def shared_load(self, router_id: str) -> int:
         """Requests ``router_id`` still holds on the shared load board (unexpired entries)."""
