@@ -126,6 +126,55 @@ def sentinel_primary_port(sentinel_port: int) -> int:
     return int(port)
 
 
+def sentinel_view(sentinel_port: int) -> dict[str, Any]:
+    """What the Sentinel on ``sentinel_port`` knows of the service: its primary's state
+    (flags, the other Sentinels it heard of, failover state) and each replica's (flags,
+    link to the primary as the replica last reported it)."""
+    with redis.Redis(port=sentinel_port, socket_timeout=2.0, decode_responses=True) as sentinel:
+        primary = sentinel.sentinel_master(SENTINEL_SERVICE)
+        replicas = sentinel.sentinel_slaves(SENTINEL_SERVICE)
+    keep = ("port", "flags", "master-link-status", "master-link-down-time", "info-refresh")
+    return {
+        "primary": {
+            k: primary.get(k)
+            for k in ("port", "flags", "num-other-sentinels", "failover-state", "config-epoch")
+        },
+        "replicas": [{k: r.get(k) for k in keep} for r in replicas],
+    }
+
+
+def sentinels_ready(sentinel_ports: list[int], replica_port: int) -> bool:
+    """Whether every Sentinel can fail the service over now: it has heard of the other
+    Sentinels (the quorum needs them) and last saw the replica linked to the primary (it
+    refreshes a replica's state only every 10 s while the primary is up).
+    """
+    for port in sentinel_ports:
+        view = sentinel_view(port)
+        if int(view["primary"]["num-other-sentinels"] or 0) < len(sentinel_ports) - 1:
+            return False
+        if not any(
+            int(r["port"]) == replica_port
+            and r["master-link-status"] == "ok"
+            and "disconnected" not in str(r["flags"])
+            for r in view["replicas"]
+        ):
+            return False
+    return True
+
+
+def wait_sentinels_ready(
+    sentinel_ports: list[int], replica_port: int, timeout_s: float = 30.0
+) -> None:
+    """Return once :func:`sentinels_ready`; :class:`TimeoutError` (with each Sentinel's
+    view) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not sentinels_ready(sentinel_ports, replica_port):
+        if time.monotonic() > deadline:
+            views = {port: sentinel_view(port) for port in sentinel_ports}
+            raise TimeoutError(f"the Sentinels are not ready to fail over: {views}")
+        time.sleep(0.2)
+
+
 class RedisSentinels:
     """A primary, one replica of it and three Sentinels (quorum 2) on loopback: the smallest
     Redis deployment that fails over by itself. :attr:`url` is the ``redis+sentinel://`` URL
@@ -169,6 +218,7 @@ class RedisSentinels:
             )
         for port in self.sentinel_ports:
             wait_for_port(port)
+        wait_sentinels_ready(self.sentinel_ports, self.replica.port)
         return self
 
     def primary_port(self) -> int:

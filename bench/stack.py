@@ -26,7 +26,12 @@ from typing import IO, Any
 
 import httpx
 
-from bench.procs import SENTINEL_SERVICE, redis_server_argv, sentinel_config
+from bench.procs import (
+    SENTINEL_SERVICE,
+    redis_server_argv,
+    sentinel_config,
+    wait_sentinels_ready,
+)
 
 
 class StackError(RuntimeError):
@@ -415,7 +420,8 @@ class LocalStack:
 
         Assembled: each process is healthy, the tracker follows every engine's events and
         every router has every engine in rotation (with Redis, they find the engines in the
-        registry a moment after their own ``/health`` first answers 200). A started stack is
+        registry a moment after their own ``/health`` first answers 200); with Sentinels,
+        each of them could fail the primary over. A started stack is
         not started again (``with LocalStack(config).start() as stack`` enters a started
         one: a second start would orphan the first processes, which :meth:`stop` then
         never reaches).
@@ -436,6 +442,15 @@ class LocalStack:
                 for proc in started:
                     self._wait(proc, deadline - time.monotonic())
             self._wait_assembled(deadline - time.monotonic())
+            if self.redis_replica_port is not None:
+                try:
+                    wait_sentinels_ready(
+                        self.sentinel_ports,
+                        self.redis_replica_port,
+                        max(deadline - time.monotonic(), 1.0),
+                    )
+                except TimeoutError as exc:
+                    raise StackError(str(exc)) from None
             if "haproxy" in self._procs:
                 self._wait_url(
                     f"{self.entry_url}/health", deadline - time.monotonic(), self._procs["haproxy"]

@@ -24,7 +24,7 @@ from typing import Any, Final, Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import sentinel_primary_port, sync_redis
+from bench.procs import sentinel_primary_port, sentinel_view, sync_redis
 from bench.stack import LocalStack, StackConfig
 from tests.faults.workload import MODEL, Result, Workload
 from tracker.blocks import Namespace
@@ -227,6 +227,10 @@ class Drill:
     def sentinel_primary(self) -> int:
         """The port of the Redis server the stack's Sentinels name as primary now."""
         return sentinel_primary_port(self.stack.sentinel_ports[0])
+
+    def sentinel_views(self) -> dict[int, dict[str, Any]]:
+        """Each Sentinel's view of the service (for a failure's message)."""
+        return {port: sentinel_view(port) for port in self.stack.sentinel_ports}
 
     def shared_load(self, router_id: str) -> int:
         """Requests ``router_id`` still holds on the shared load board (unexpired entries)."""

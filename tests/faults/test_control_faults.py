@@ -186,11 +186,20 @@ async def test_redis_primary_sigkilled_sentinel_promotes_replica_index_exact(
         await drill.kill("redis")
         # the Sentinels notice (down-after 1 s), agree (quorum 2), elect one of them and
         # promote the replica; every part follows through its redis+sentinel:// URL
-        state["failover_s"] = await drill.until(
-            "the Sentinels promoted the replica",
-            lambda: asyncio.to_thread(lambda: drill.sentinel_primary() != old),
-            timeout_s=30,
-        )
+        try:
+            state["failover_s"] = await drill.until(
+                "the Sentinels promoted the replica",
+                lambda: asyncio.to_thread(lambda: drill.sentinel_primary() != old),
+                timeout_s=30,
+            )
+        except AssertionError as exc:
+            views = await asyncio.to_thread(drill.sentinel_views)
+            logs = "\n".join(
+                line
+                for path in sorted(drill.stack.workdir.glob("sentinel-*.log"))
+                for line in path.read_text(errors="replace").splitlines()[-20:]
+            )
+            raise AssertionError(f"{exc}; the Sentinels' views: {views}\n{logs}") from None
         return time.monotonic()
 
     marks = await run_drill(workload, fault)
