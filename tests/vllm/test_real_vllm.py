@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 
 from bench.stack import LocalStack, StackConfig, VllmEngines
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
@@ -204,6 +205,55 @@ def test_an_engine_restart_fences_its_blocks(stack: LocalStack) -> None:
     # new one was up (~60 s), and the tracker forgot what it held
     assert f"replica expired replica={placed}" in (stack.workdir / "tracker.log").read_text()
     assert _tracker_health(stack)["replicas"][placed]["synced"]
+
+
+def test_a_tracker_that_joins_late_rebuilds_the_index_from_vllms_replay(
+    stack: LocalStack,
+) -> None:
+    """A tracker started after the engines published, on an empty Redis (a new index): it
+    has no checkpoint, so it asks each vLLM's replay socket for every batch from sequence 0
+    and rebuilds what each cache holds now, evictions included."""
+    body = chat(5, "cached before the tracker came")
+    with httpx.Client(base_url=stack.entry_url, timeout=120) as client:
+        sent = client.post("/v1/chat/completions", json=body)
+        assert sent.status_code == 200, sent.text
+        holder = sent.headers[REPLICA_HEADER]
+        stack.kill("tracker")
+        with redis.Redis(port=stack.redis_port) as r:
+            r.flushall()  # the index, the checkpoints, the registry: all gone
+
+        def ready() -> bool:  # the shims re-register within a heartbeat
+            for url in stack.router_urls:
+                listed = httpx.get(f"{url}/replicas", timeout=5).json()["replicas"]
+                if len(listed) != 2:
+                    return False
+            return True
+
+        _wait(ready, 30, "the attach shims registered the engines again")
+        assert client.post("/index", json=body).json()["replicas"].get(holder, {}).get(
+            "matched_tokens", 0
+        ) in (0, None)  # nothing indexed: nobody applies events
+        log_path = stack.workdir / "tracker.log"
+        before = log_path.stat().st_size
+        stack.restart("tracker", timeout_s=60)
+
+        def held() -> int:
+            where = client.post("/index", json=body).json()["replicas"].get(holder, {})
+            return int(where.get("matched_tokens") or 0)
+
+        _wait(lambda: held() >= 3000, 30, "the late tracker indexed what vLLM still holds")
+        time.sleep(SETTLE_S)
+        again = client.post("/v1/chat/completions", json=chat(5, "and now?"))
+        assert again.status_code == 200, again.text
+        cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert again.headers[REPLICA_HEADER] == holder
+        assert int(again.headers[PREDICTED_HEADER]) == cached >= 3000
+    health = _tracker_health(stack)
+    assert all(replica["synced"] for replica in health["replicas"].values()), health
+    with log_path.open("rb") as f:
+        f.seek(before)
+        tracked = [line for line in f.read().decode().splitlines() if "replica tracked" in line]
+    assert len(tracked) == 2 and all("checkpoint=None" in line for line in tracked), tracked
 
 
 @pytest.fixture(scope="module")
