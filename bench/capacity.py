@@ -56,6 +56,7 @@ class WorkloadShape:
     unique_tokens: float
     shared_blocks: int
     private_blocks: float
+    longest_request: int = 0  # tokens: the longest prompt with its output
 
     @property
     def ideal_hit_rate(self) -> float:
@@ -129,6 +130,7 @@ def measure_shape(workload: Workload, block_size: int, tokenizer: Tokenizer) -> 
         unique_tokens=unique / n,
         shared_blocks=sum(1 for count in uses.values() if count > 1),
         private_blocks=private / n,
+        longest_request=max((len(ids) + out for ids, out in prompts), default=0),
     )
 
 

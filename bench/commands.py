@@ -15,6 +15,7 @@ from typing import Any, Final
 from bench.capacity import Capacity, EngineShape, WorkloadShape, capacity, measure_shape
 from bench.harness import POLICIES, FleetConfig, Harness
 from bench.peers import INSTALL_HINT, missing
+from bench.stack import VllmEngines
 from bench.workloads import (
     WORKLOADS,
     Workload,
@@ -94,6 +95,17 @@ class BenchSettings(LogSettings):
     restart_engine_at_s: float | None = setting(
         None, "SIGKILL one engine this many simulated seconds into each pass and restart it"
     )
+    vllm: str | None = setting(
+        None,
+        "real vLLM engines instead of simulated ones: the vllm entry point of their "
+        "virtualenv (scripts/vllm-install makes .venv-vllm/bin/vllm); blocks of 32 tokens, "
+        "real time, 2 engines by default",
+    )
+    vllm_model: str = setting(
+        ".cache/tiny-qwen2",
+        "with --vllm: the model directory the engines serve (the routers tokenize with its "
+        "tokenizer and chat template)",
+    )
 
     def __post_init__(self) -> None:
         names = self.policy_list
@@ -108,6 +120,15 @@ class BenchSettings(LogSettings):
             raise ConfigError("bypass must be in [0, 1)")
         if self.restart_engine_at_s is not None and self.restart_engine_at_s < 0:
             raise ConfigError("restart-engine-at-s must be >= 0")
+        if self.vllm is not None:
+            if not Path(self.vllm).is_file():
+                raise ConfigError(f"vllm: no {self.vllm} (scripts/vllm-install installs it)")
+            if not (Path(self.vllm_model) / "config.json").is_file():
+                raise ConfigError(
+                    f"vllm-model: no model in {self.vllm_model} (scripts/vllm-install builds one)"
+                )
+            if self.restart_engine_at_s is not None or self.embedded:
+                raise ConfigError("vllm: not with restart-engine-at-s or embedded")
 
     @property
     def policy_list(self) -> tuple[str, ...]:
@@ -190,20 +211,35 @@ class Plan:
 def plan(settings: BenchSettings) -> Plan:
     """Workload, fleet, capacity and arrival rate for ``settings``."""
     quick = settings.quick
-    replicas = settings.replicas or (4 if quick else 8)
+    num_blocks = settings.num_blocks or (512 if quick else 4096)
+    vllm, tokenizer = None, Tokenizer.builtin()
+    if settings.vllm is not None:
+        model = Path(settings.vllm_model)
+        vllm = VllmEngines(Path(settings.vllm), model, num_gpu_blocks=num_blocks)
+        tokenizer = Tokenizer.from_files(model)
+    replicas = settings.replicas or (2 if vllm else 4 if quick else 8)
     fleet = FleetConfig(
         replicas=replicas,
         routers=settings.routers,
         redis=not settings.embedded,
-        time_scale=settings.time_scale or (2.0 if quick else 20.0),
-        num_blocks=settings.num_blocks or (512 if quick else 4096),
+        # real engines run in real time, on the block size vLLM's CPU attention takes
+        time_scale=1.0 if vllm else settings.time_scale or (2.0 if quick else 20.0),
+        num_blocks=num_blocks,
+        block_size=32 if vllm else 16,
         router_args=settings.router_args,
         bypass_share=settings.bypass,
         restart_engine_at_s=settings.restart_engine_at_s,
         seed=settings.seed,
+        vllm=vllm,
     )
     workload = build_workload(settings)
-    shape = measure_shape(workload, fleet.block_size, Tokenizer.builtin())
+    shape = measure_shape(workload, fleet.block_size, tokenizer)
+    if vllm is not None and shape.longest_request > vllm.max_model_len:
+        raise ConfigError(
+            f"a request of {shape.longest_request} tokens (prompt and output, as the model's "
+            f"tokenizer counts them) does not fit vLLM's max-model-len {vllm.max_model_len}: "
+            "shorten the prompts"
+        )
     engine = EngineShape(load_profile(fleet.profile), fleet.num_blocks, fleet.block_size)
     cap = capacity(shape, engine, replicas)
     if workload.timed:

@@ -6,6 +6,8 @@ the same shared-prefix workload (same arrivals, caches emptied in between) first
 routers in round-robin mode and then with kvrouter's policy, and prints both side by side:
 TTFT, the engines' own prefix-cache hit rate, and how many engines each prompt group was
 spread over. It is ``kvrouter bench --quick`` with two policies and a shorter report.
+With ``--vllm`` the engines are real vLLM servers (the CPU build ``scripts/vllm-install``
+makes, serving its tiny model) and the times are real milliseconds.
 """
 
 from __future__ import annotations
@@ -33,21 +35,36 @@ class DemoSettings(LogSettings):
     PART = "DEMO"
 
     embedded: bool = setting(False, "one router with its in-process tracker, no Redis/haproxy")
-    replicas: int = setting(4, "simulated engines")
+    replicas: int | None = setting(None, "engines (default 4 simulated, 2 vLLM)")
     groups: int = setting(8, "groups of requests sharing a system prompt")
     per_group: int = setting(8, "requests per group")
-    prefix_tokens: int = setting(1024, "length of each group's shared system prompt")
+    prefix_tokens: int = setting(
+        1024,
+        "length of each group's shared system prompt, in characters (a token each when simulated)",
+    )
     output_tokens: int = setting(128, "tokens generated per request")
-    num_blocks: int = setting(512, "KV-cache blocks per engine (16 tokens each)")
+    num_blocks: int = setting(512, "KV-cache blocks per engine (16 tokens each; 32 with --vllm)")
     load: float = setting(0.75, "arrival rate as a share of the fleet's estimated capacity")
+    rate: float | None = setting(
+        None, "arrival rate in requests per (simulated) second; wins over load"
+    )
     time_scale: float = setting(2.0, "engine time scale (real seconds per simulated H200 second)")
     seed: int = setting(1, "workload seed")
+    vllm: str | None = setting(
+        None,
+        "real vLLM engines instead of simulated ones: the vllm entry point of their "
+        "virtualenv (scripts/vllm-install makes .venv-vllm/bin/vllm); real time",
+    )
+    vllm_model: str = setting(
+        ".cache/tiny-qwen2", "with --vllm: the model directory the engines serve"
+    )
 
 
 def compare(runs: Sequence[PolicyRun], time_scale: float, out: RichConsole) -> None:
     """The side-by-side table and the ratios."""
     summaries = summaries_of(runs, time_scale)
-    table = Table(title="latencies in simulated H200 ms", title_justify="left")
+    title = "latencies in ms" if time_scale == 1.0 else "latencies in simulated H200 ms"
+    table = Table(title=title, title_justify="left")
     for name in ("policy", "TTFT p50", "TTFT p95", "E2E p50", "hit rate", "engines/group"):
         table.add_column(name, justify="left" if name == "policy" else "right")
     for run in runs:
@@ -82,12 +99,15 @@ def run(settings: DemoSettings) -> int:
         embedded=settings.embedded,
         time_scale=settings.time_scale,
         load=settings.load,
+        rate=settings.rate,
         seed=settings.seed,
         num_blocks=settings.num_blocks,
         groups=settings.groups,
         prompts_per_group=settings.per_group,
         system_tokens=settings.prefix_tokens,
         output_tokens=settings.output_tokens,
+        vllm=settings.vllm,
+        vllm_model=settings.vllm_model,
     )
     chosen = plan(bench)
     console = Console()

@@ -37,7 +37,7 @@ import httpx
 
 from bench.loadgen import LoadGenerator, Result
 from bench.peers import PEERS, PeerArm, Worker, executable
-from bench.stack import LocalStack, StackConfig, StackError
+from bench.stack import LocalStack, StackConfig, StackError, VllmEngines
 from bench.workloads import Workload
 from publishers.latency import LatencyProfile, load_profile
 from router.policy import PolicyConfig, SpeedEstimate
@@ -97,6 +97,8 @@ class FleetConfig:
     bypass_share: float = 0.0
     restart_engine_at_s: float | None = None
     seed: int = 1
+    # real vLLM engines instead of simulated ones (served as "default"; time scale 1)
+    vllm: VllmEngines | None = None
 
     def prefill_seed_args(self) -> tuple[str, ...]:
         """The routers' engine-time constants for these engines, as a deployment seeds its own
@@ -140,6 +142,7 @@ class FleetConfig:
             workdir=self.workdir,
             # one process per engine, so that one engine can be restarted alone
             replica_processes=self.restart_engine_at_s is not None,
+            vllm=self.vllm,
         )
 
 
@@ -305,8 +308,29 @@ class Harness:
 
     async def _reset_caches(self) -> None:
         async with httpx.AsyncClient(timeout=30.0) as client:
+            if self.fleet.vllm is not None:
+                await self._reset_vllm(client)
+                return
             for url in self.stack.replica_urls:
                 await self._reset_one(client, url)
+
+    async def _reset_vllm(self, client: httpx.AsyncClient) -> None:
+        """Real vLLM has no probe, and refuses to reset while requests hold blocks (the
+        last run's draining): reset until the index, which follows its events, holds
+        nothing. vLLM publishes what its block pool queued (``AllBlocksCleared`` too) only
+        when the scheduler steps: a request too short to fill a block makes it step."""
+        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+        tiny = {"model": self.stack.config.model, "prompt": "hi", "max_tokens": 1}
+        while True:
+            for url in self.stack.replica_urls:
+                (await client.post(f"{url}/reset_prefix_cache")).raise_for_status()
+                (await client.post(f"{url}/v1/completions", json=tiny)).raise_for_status()
+            await asyncio.sleep(0.5)  # the events reach the index
+            blocks = await self._indexed_blocks(client)
+            if blocks == 0:
+                return
+            if time.monotonic() > deadline:
+                raise StackError(f"the engines' caches still hold {blocks} indexed blocks")
 
     async def _reset_one(self, client: httpx.AsyncClient, url: str) -> None:
         deadline = time.monotonic() + _SETTLE_TIMEOUT_S

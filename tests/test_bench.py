@@ -15,6 +15,7 @@ import pytest
 from bench.commands import BenchSettings, run
 from bench.demo import DemoSettings
 from bench.demo import run as demo
+from tracker.errors import ConfigError
 
 pytestmark = [
     pytest.mark.timeout(150),
@@ -45,6 +46,18 @@ def test_quick_bench_compares_round_robin_and_kvrouter(tmp_path: Path) -> None:
     assert kv["hit_rate"] > rr["hit_rate"]
     assert kv["vs_round_robin"]["ttft_p50"] > 0
     assert plot.stat().st_size > 0 and (tmp_path / "quick-bars.png").stat().st_size > 0
+
+
+def test_real_vllm_engines_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="scripts/vllm-install installs it"):
+        BenchSettings(vllm=str(tmp_path / "vllm"))
+    binary = tmp_path / "vllm"
+    binary.touch()
+    with pytest.raises(ConfigError, match="no model in"):
+        BenchSettings(vllm=str(binary), vllm_model=str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not with restart"):
+        BenchSettings(vllm=str(binary), vllm_model=str(tmp_path), restart_engine_at_s=5)
 
 
 def test_demo_runs_embedded_with_one_router() -> None:
