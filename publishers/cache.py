@@ -51,6 +51,7 @@ class CachedBlock(msgspec.Struct, frozen=True):
     token_ids: tuple[int, ...]
     lora_name: str | None
     extra_keys: tuple[Any, ...] | None
+    lookahead_token_ids: tuple[int, ...] = ()
 
 
 class TokenSequence:
@@ -63,12 +64,15 @@ class TokenSequence:
         lora_name: LoRA adapter; part of every block's extra keys.
         lora_id: the adapter's engine-local integer id (``BlockStored.lora_id``).
         cache_salt: part of the first block's extra keys.
+        lookahead: tokens after each block folded into its hash (vLLM 0.33's lookahead
+            hashing); a block is hashed once that many tokens follow it.
     """
 
     __slots__ = (
         "block_hashes",
         "block_size",
         "cache_salt",
+        "lookahead",
         "lora_id",
         "lora_name",
         "root",
@@ -84,8 +88,10 @@ class TokenSequence:
         lora_name: str | None = None,
         lora_id: int | None = None,
         cache_salt: str | None = None,
+        lookahead: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.lookahead = lookahead
         self.root = root
         self.lora_name = lora_name
         self.lora_id = lora_id
@@ -106,13 +112,18 @@ class TokenSequence:
         return tuple(keys) if keys else None
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Append tokens and hash the blocks they complete."""
+        """Append tokens and hash the blocks they complete (and follow by ``lookahead``)."""
         self.token_ids.extend(tokens)
-        size = self.block_size
-        for i in range(len(self.block_hashes), len(self.token_ids) // size):
+        size, ahead = self.block_size, self.lookahead
+        for i in range(len(self.block_hashes), max(0, len(self.token_ids) - ahead) // size):
             parent = self.block_hashes[i - 1] if i else self.root
-            chunk = tuple(self.token_ids[i * size : (i + 1) * size])
+            chunk = tuple(self.token_ids[i * size : (i + 1) * size + ahead])
             self.block_hashes.append(sha256_digest((parent, chunk, self.extra_keys(i))))
+
+    def lookahead_ids(self, index: int) -> list[int]:
+        """The tokens after block ``index`` that its hash covers."""
+        end = (index + 1) * self.block_size
+        return self.token_ids[end : end + self.lookahead]
 
 
 class KVBlock:
@@ -212,16 +223,20 @@ class BlockPool:
         parent = external_hash(seq.block_hashes[num_cached - 1]) if num_cached else None
         hashes: list[int] = []
         extras: list[Any] = []
+        lookahead: list[list[int] | None] = []
         for i in range(num_cached, num_full):
             block, digest = blocks[i], seq.block_hashes[i]
             extra = seq.extra_keys(i)
             block.digest = digest
+            ahead = seq.lookahead_ids(i)
             block.entry = CachedBlock(
                 parent_hash=hashes[-1] if hashes else parent,
                 token_ids=tuple(seq.token_ids[i * size : (i + 1) * size]),
                 lora_name=seq.lora_name,
                 extra_keys=extra,
+                lookahead_token_ids=tuple(ahead),
             )
+            lookahead.append(ahead)
             self._cached.setdefault(digest, {})[block.block_id] = block
             hashes.append(external_hash(digest))
             extras.append(extra)
@@ -237,6 +252,7 @@ class BlockPool:
                 extra_keys=extras,
                 group_idx=GROUP_IDX,
                 kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
+                lookahead_token_ids=lookahead if seq.lookahead else None,
             )
         )
 
@@ -312,6 +328,7 @@ class KVCacheManager:
         if new > 0:
             blocks.extend(self.pool.get_new_blocks(new))
         num_full = min(num_computed_tokens + num_new_tokens, seq.num_tokens) // self.block_size
+        num_full = min(num_full, len(seq.block_hashes))  # lookahead: hashed blocks only
         num_cached = self._num_cached[request_id]
         if num_full > num_cached:
             self.pool.cache_full_blocks(seq, blocks, num_cached, num_full)

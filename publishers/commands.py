@@ -89,6 +89,11 @@ class ReplicaSettings(ServiceSettings):
     floor_ms: float | None = setting(None, "minimum step time in ms (default: the profile's)")
     time_scale: float = setting(1.0, "multiply every simulated duration (0.01 = 100x faster)")
     hash_seed: str = setting("0", "PYTHONHASHSEED the block hashes are seeded with, as vLLM")
+    lookahead_tokens: int = setting(
+        0,
+        "tokens after each block folded into its hash, as vLLM 0.33 does with EAGLE-style "
+        "drafting (needs --era v0.33.0 or later; routers need the same --lookahead-tokens)",
+    )
     tokenizer: str | None = setting(None, "tokenizer.json or its directory (default: builtin)")
     chat_template: str | None = setting(
         None, "chat template (.jinja or tokenizer_config.json); default: the tokenizer's"
@@ -130,7 +135,11 @@ class ReplicaSettings(ServiceSettings):
             raise ConfigError("time-scale must be positive")
         if not 0 < self.heartbeat_s * 2 <= self.ttl_s:
             raise ConfigError("heartbeat-s must be positive and at most half of ttl-s")
-        WireEra.for_release(self.era)
+        era = WireEra.for_release(self.era)
+        if self.lookahead_tokens < 0:
+            raise ConfigError("lookahead-tokens must be >= 0")
+        if self.lookahead_tokens and not era.at_least(WireEra.V0_33_0):
+            raise ConfigError("lookahead-tokens: vLLM sends lookahead tokens from v0.33.0 on")
 
     @property
     def wire_era(self) -> WireEra:

@@ -51,6 +51,8 @@ class EngineConfig:
         time_scale: multiplies every step's duration (0.01 runs 100x faster than real).
         hash_seed: the ``PYTHONHASHSEED`` string the block-hash chain is seeded with.
         data_parallel_rank: rank of this engine (informational; the publisher stamps it).
+        lookahead_tokens: tokens after each block folded into its hash, as vLLM 0.33 does
+            with EAGLE-style drafting (``BlockStored.lookahead_token_ids``).
         max_model_len: longest prompt + output; a request reaching it finishes with
             "length" (default and upper bound: the cache capacity, as vLLM requires).
     """
@@ -66,8 +68,11 @@ class EngineConfig:
     hash_seed: str = "0"
     data_parallel_rank: int = 0
     max_model_len: int | None = None
+    lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.lookahead_tokens < 0:
+            raise ValueError("lookahead_tokens must be >= 0")
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -246,6 +251,7 @@ class SimulatedEngine:
         seq = TokenSequence(
             prompt, block_size=self.config.block_size, root=self._root, lora_id=lora_id,
             lora_name=request.lora_name, cache_salt=request.cache_salt,
+            lookahead=self.config.lookahead_tokens,
         )  # fmt: skip
         stream = RequestStream(request.request_id, len(prompt))
         state = _Request(stream, seq, request.max_tokens)
@@ -302,7 +308,11 @@ class SimulatedEngine:
         """
         config = self.config
         seq = TokenSequence(
-            token_ids, block_size=config.block_size, root=self._root, cache_salt=cache_salt
+            token_ids,
+            block_size=config.block_size,
+            root=self._root,
+            cache_salt=cache_salt,
+            lookahead=config.lookahead_tokens,
         )
 
         def work(state: _Request) -> QueuedWork:

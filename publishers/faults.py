@@ -60,10 +60,11 @@ def index_keys(blocks: dict[int, CachedBlock], model: str, block_size: int) -> s
                 block.lora_name, None if block.extra_keys is None else [block.extra_keys]
             )
             keys[current] = block_keys(
-                list(block.token_ids),
+                [*block.token_ids, *block.lookahead_token_ids],
                 Namespace(model, block_size, block.lora_name),
                 parent=parent_key,
                 extra_keys=extra,
+                lookahead=len(block.lookahead_token_ids),
             )[0]
     return {key for h, key in keys.items() if key is not None and h in blocks}
 

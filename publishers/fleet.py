@@ -122,6 +122,7 @@ class FleetService:
                 time_scale=s.time_scale,
                 hash_seed=s.hash_seed,
                 max_model_len=s.max_model_len,
+                lookahead_tokens=s.lookahead_tokens,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None

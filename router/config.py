@@ -135,6 +135,11 @@ class RouterSettings(ServiceSettings):
     )
     breaker_failures: int = setting(3, "index failures in a row that open the circuit breaker")
     breaker_cooldown_s: float = setting(2.0, "how long the open breaker skips the index")
+    lookahead_tokens: int = setting(
+        0,
+        "tokens after each block that the engines fold into its hash (vLLM 0.33 lookahead "
+        "hashing with EAGLE-style drafting; the tracker's /health shows what they send)",
+    )
     predict_ttl_s: float = setting(
         3.0, "predict-on-route: the chosen replica holds the prompt's blocks this long (0: off)"
     )
@@ -239,6 +244,7 @@ class RouterSettings(ServiceSettings):
             "default_output_tokens",
             "kv_full_penalty_ms",
             "decode_ms_per_request",
+            "lookahead_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 0")

@@ -234,7 +234,9 @@ class Placer:
         tokenized = time.perf_counter()
         stages["tokenize"] = tokenized - started
         extra = [(request.cache_salt,)] if request.cache_salt is not None else None
-        keys = self._chains.keys(ids, namespace, extra_keys=extra)
+        keys = self._chains.keys(
+            ids, namespace, extra_keys=extra, lookahead=self.settings.lookahead_tokens
+        )
         hashed = time.perf_counter()
         stages["hash"] = hashed - tokenized
         view = await self.shared.view(namespace, keys)

@@ -10,6 +10,11 @@ where ``namespace_seed = XXH3_64(msgpack(["kvrouter-blocks", 1, model, lora_name
 The token bytes have a fixed length (``4 * B``), so appending the extra keys is unambiguous.
 The tracker computes the chain from ``BlockStored.token_ids``; the router computes the same
 chain from a request's tokens. Only full blocks get keys, as in vLLM.
+
+Lookahead hashing (vLLM 0.33 with EAGLE-style drafting: ``BlockStored.lookahead_token_ids``)
+folds the ``L`` tokens after each block into its hash, so a block only hits for a request
+whose tokens go on the same way. Then block ``i`` hashes ``tokens[iB:(i+1)B + L]`` (still a
+fixed length, ``4 * (B + L)``), and only blocks followed by ``L`` tokens get keys.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ def block_keys(
     parent: int | None = None,
     extra_keys: Sequence[Any] | None = None,
     limit: int | None = None,
+    lookahead: int = 0,
 ) -> list[int]:
     """Keys of every full block of ``tokens``, chained from ``parent`` (or the namespace root).
 
@@ -107,10 +113,13 @@ def block_keys(
         extra_keys: one entry per block (``None`` or a tuple of extra hash inputs, e.g. a
             ``cache_salt`` on the first block), as in vLLM's ``BlockStored.extra_keys``.
         limit: hash at most this many blocks.
+        lookahead: tokens after each block that its key covers (module docstring); a block
+            without that many tokens after it gets no key.
     """
     data = tokens if isinstance(tokens, bytes) else token_bytes(tokens)
     stride = namespace.block_size * 4
-    count = len(data) // stride
+    ahead = max(0, lookahead) * 4
+    count = max(0, len(data) - ahead) // stride
     if limit is not None:
         count = min(count, limit)
     key = namespace.seed if parent is None else parent
@@ -119,12 +128,12 @@ def block_keys(
     if not extra_keys or all(e is None for e in extra_keys):
         # Slicing bytes (a small copy) is cheaper than slicing a memoryview (a new view).
         for start in range(0, count * stride, stride):
-            key = _xxh3(data[start : start + stride], key)
+            key = _xxh3(data[start : start + stride + ahead], key)
             append(key)
         return keys
     for i in range(count):
         extra = extra_keys[i] if i < len(extra_keys) else None
-        chunk = data[i * stride : (i + 1) * stride]
+        chunk = data[i * stride : (i + 1) * stride + ahead]
         key = _xxh3(chunk if extra is None else chunk + _pack(extra), key)
         append(key)
     return keys
@@ -159,13 +168,16 @@ class ChainCache:
         namespace: Namespace,
         *,
         extra_keys: Sequence[Any] | None = None,
+        lookahead: int = 0,
     ) -> list[int]:
-        """The keys :func:`block_keys` gives for ``tokens`` (chained from the root)."""
+        """The keys :func:`block_keys` gives for ``tokens`` (chained from the root); with
+        ``lookahead`` a block's key depends on the next block's tokens too, so they are
+        hashed in full."""
         data = tokens if isinstance(tokens, bytes) else token_bytes(tokens)
         stride = namespace.block_size * 4
         count = len(data) // stride
-        if count < self.min_blocks or self.max_blocks < count or extra_keys:
-            return block_keys(data, namespace, extra_keys=extra_keys)
+        if count < self.min_blocks or self.max_blocks < count or extra_keys or lookahead:
+            return block_keys(data, namespace, extra_keys=extra_keys, lookahead=lookahead)
         if len(data) != count * stride:
             data = data[: count * stride]
         entry = (namespace, _xxh3(data[:stride], namespace.seed))

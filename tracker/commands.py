@@ -44,7 +44,7 @@ async def lookup(settings: LookupSettings, tokens: list[int]) -> dict[str, objec
     from tracker.redis_index import RedisIndex  # noqa: PLC0415
 
     namespace = Namespace(settings.model, settings.block_size, settings.lora)
-    keys = block_keys(tokens, namespace)
+    keys = block_keys(tokens, namespace, lookahead=settings.lookahead_tokens)
     index = RedisIndex.from_url(settings.redis)
     try:
         matches = await index.lookup(namespace, keys)

@@ -129,5 +129,8 @@ class LookupSettings(LogSettings):
     model: str = setting("default", "model namespace")
     block_size: int = setting(16, "block size of the namespace")
     lora: str | None = setting(None, "LoRA adapter name, if the request used one")
+    lookahead_tokens: int = setting(
+        0, "tokens after each block that the engines fold into its hash (vLLM 0.33)"
+    )
     tokens: str | None = setting(None, "comma-separated token ids")
     tokens_file: str | None = setting(None, "file with token ids (comma/space separated, or JSON)")

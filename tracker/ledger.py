@@ -85,6 +85,28 @@ class LedgerChanges:
     cleared: bool = False
 
 
+def _with_lookahead(event: BlockStored, blocks: int) -> tuple[list[int], int | None]:
+    """The tokens the event's block keys cover and how many follow each block: its own
+    tokens, plus the last block's lookahead tokens when vLLM hashed them (every block's
+    lookahead is the next one's first tokens, checked). ``None``: inconsistent lookahead."""
+    lists = event.lookahead_token_ids
+    if lists is None:
+        return event.token_ids, 0
+    if len(lists) != blocks or any(ids is None for ids in lists):
+        return event.token_ids, None
+    size, width = event.block_size, len(lists[0] or ())
+    tokens = event.token_ids
+    for i, ids in enumerate(lists):
+        if len(ids or ()) != width:
+            return tokens, None
+        following = tokens[(i + 1) * size : (i + 1) * size + width]
+        if i + 1 < blocks and list(ids or ())[: len(following)] != following:
+            return tokens, None
+    last = list(lists[-1] or ())
+    # a lookahead longer than a block reaches past the next one: the last list has it all
+    return [*tokens, *last], width
+
+
 class ReplicaLedger:
     """What one replica holds, derived only from its events.
 
@@ -201,7 +223,13 @@ class ReplicaLedger:
             parent_key = parent.key
         namespace = Namespace(self.namespace.model, self.namespace.block_size, event.lora_name)
         extra = own_extra_keys(event.lora_name, event.extra_keys)
-        keys = block_keys(event.token_ids, namespace, parent=parent_key, extra_keys=extra)
+        tokens, lookahead = _with_lookahead(event, len(hashes))
+        if lookahead is None:
+            changes.stats["lookahead_mismatch"] += len(hashes)
+            return
+        keys = block_keys(
+            tokens, namespace, parent=parent_key, extra_keys=extra, lookahead=lookahead
+        )
         for engine_hash, key in zip(hashes, keys, strict=True):
             block = self.engine.get(engine_hash)
             if block is None:

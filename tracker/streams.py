@@ -31,7 +31,15 @@ from typing import Any, Final
 from tracker.blocks import Namespace
 from tracker.config import TrackerSettings
 from tracker.errors import DecodeError, IndexUnavailableError
-from tracker.events import NEWEST_ERA, Message, WireEra, decode_batch, wire_era
+from tracker.events import (
+    NEWEST_ERA,
+    BlockStored,
+    EventBatch,
+    Message,
+    WireEra,
+    decode_batch,
+    wire_era,
+)
 from tracker.index import BlockIndex
 from tracker.metrics import TrackerMetrics
 from tracker.replay import ReplayClient, ReplayResult
@@ -120,6 +128,7 @@ class ReplicaStream:
         self._orphaned = False
         self._last_resync = -math.inf
         self.era: WireEra | None = None
+        self.lookahead = 0  # tokens after each block its hash covers (_note_lookahead)
         self._applied = 0
 
     @property
@@ -164,6 +173,7 @@ class ReplicaStream:
             "wire_era": None if self.era is None else self.era.value,
             "live_silent": self.silent,
             "unverified": self.unverified,
+            "lookahead_tokens": self.lookahead,
         }
 
     # ----------------------------------------------------------- worker
@@ -471,6 +481,7 @@ class ReplicaStream:
             self._advance(message.seq)
             return
         self._sniff(message.payload)
+        self._note_lookahead(batch)
         started = time.perf_counter()
         result = await self._writer.apply(self.id, self.namespace, batch, message.seq)
         self._metrics.batch(batch)
@@ -498,6 +509,24 @@ class ReplicaStream:
         if era is not None and (self.era is None or not self.era.at_least(era)):
             self.era = era
             logger.info("replica wire era", extra={"replica": self.id, "era": era.value})
+
+    def _note_lookahead(self, batch: EventBatch) -> None:
+        """How many tokens after each block the engine folds into its hash (vLLM 0.33's
+        lookahead hashing): the routers must hash the same (``--lookahead-tokens``), or no
+        prompt ever matches its blocks; said once per change, and in ``/health``."""
+        for event in batch.events:
+            if not isinstance(event, BlockStored) or not event.token_ids:
+                continue
+            lists = event.lookahead_token_ids
+            width = len(lists[0] or ()) if lists else 0
+            if width != self.lookahead:
+                self.lookahead = width
+                log = logger.warning if width else logger.info
+                log(
+                    "replica's lookahead hashing changed: routers need --lookahead-tokens",
+                    extra={"replica": self.id, "lookahead_tokens": width},
+                )
+            return
 
     def _advance(self, seq: int) -> None:
         self.last = seq

@@ -122,3 +122,11 @@ def test_settings_from_env() -> None:
         ReplicaSettings.from_env({"KVROUTER_REPLICA_ERA": "latest"})
     with pytest.raises(ConfigError, match="heartbeat"):
         ReplicaSettings(heartbeat_s=10, ttl_s=15)
+
+
+def test_lookahead_hashing_needs_an_era_that_sends_it() -> None:
+    assert ReplicaSettings(lookahead_tokens=2).lookahead_tokens == 2  # the default era: v0.33
+    with pytest.raises(ConfigError, match=r"v0\.33\.0"):
+        ReplicaSettings(lookahead_tokens=1, era="v0.32.0")
+    with pytest.raises(ConfigError, match=">= 0"):
+        ReplicaSettings(lookahead_tokens=-1)

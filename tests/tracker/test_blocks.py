@@ -199,3 +199,30 @@ def test_chain_cache_reuses_a_repeated_prefix_and_stays_bounded() -> None:
     assert cache.blocks <= 1_000
     with pytest.raises(ValueError):
         ChainCache(min_blocks=0)
+
+
+def test_lookahead_folds_the_next_tokens_into_each_block() -> None:
+    """vLLM 0.33's lookahead hashing: block i hashes its tokens and the ``L`` after it."""
+    ns = Namespace("m", 4)
+    tokens = list(range(100, 111))  # 2 full blocks and 3 tokens
+    keys = block_keys(tokens, ns, lookahead=2)
+    first = xxhash.xxh3_64_intdigest(token_bytes(tokens[0:6]), ns.seed)
+    assert keys == [first, xxhash.xxh3_64_intdigest(token_bytes(tokens[4:10]), first)]
+    assert keys[0] != block_keys(tokens, ns)[0]
+    # a block without L tokens after it gets no key: the engine cannot hash it yet
+    assert len(block_keys(tokens, ns, lookahead=4)) == 1
+    assert block_keys(tokens[:8], ns, lookahead=1) == block_keys(tokens[:9], ns, lookahead=1)[:1]
+    # the same block followed by other tokens is another block
+    other = [*tokens[:4], 999, *tokens[5:]]
+    assert block_keys(other, ns, lookahead=2)[0] != keys[0]
+    assert block_keys(other, ns, lookahead=0)[0] == block_keys(tokens, ns)[0]
+
+
+def test_chain_cache_with_lookahead_gives_block_keys() -> None:
+    ns = Namespace("m", 4)
+    cache = ChainCache(min_blocks=1)
+    tokens = list(range(200))
+    for lookahead in (0, 1, 3):
+        assert cache.keys(tokens, ns, lookahead=lookahead) == block_keys(
+            tokens, ns, lookahead=lookahead
+        )

@@ -299,3 +299,25 @@ def test_engine_block_pack_round_trip(block: EngineBlock) -> None:
 
 def test_engine_block_pack_clamps_huge_ref_counts() -> None:
     assert EngineBlock.unpack(EngineBlock(1, 70000, 0).pack()) == EngineBlock(1, 0xFFFF, 0)
+
+
+def test_lookahead_tokens_feed_the_block_keys_as_the_router_computes_them() -> None:
+    """vLLM 0.33 hashes the tokens after each block into it; the ledger's keys are the ones
+    a router hashing with ``lookahead`` computes for a prompt that goes on the same way."""
+    prompt = [*TOKENS, 50, 51]
+    lookahead = [TOKENS[2:3], TOKENS[4:5], TOKENS[6:7], [50]]  # one token after each block
+    ledger = ReplicaLedger("r1", NS)
+    changes = ledger.apply([stored([1, 2, 3, 4], TOKENS, lookahead_token_ids=lookahead)])
+    assert changes.stats["stored"] == 4
+    assert set(held(ledger)) == set(block_keys(prompt, NS, lookahead=1))
+    assert not set(held(ledger)) & set(KEYS)  # not the keys of blocks hashed without it
+
+
+def test_inconsistent_lookahead_is_counted_and_not_indexed() -> None:
+    # block 0's lookahead must be block 1's first token: 20, not 99
+    wrong = [[99], [30]]
+    ledger = ReplicaLedger("r1", NS)
+    changes = ledger.apply([stored([1, 2], TOKENS[:4], lookahead_token_ids=wrong)])
+    assert changes.stats["lookahead_mismatch"] == 2 and not held(ledger)
+    short = ledger.apply([stored([1, 2], TOKENS[:4], lookahead_token_ids=[[20]])])
+    assert short.stats["lookahead_mismatch"] == 2 and not held(ledger)

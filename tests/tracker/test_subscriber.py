@@ -18,7 +18,7 @@ from tests.tracker.publisher import EventPublisher, removed, stored
 from tracker.blocks import Namespace, block_keys
 from tracker.config import TrackerSettings
 from tracker.errors import DecodeError
-from tracker.events import AllBlocksCleared, encode_message
+from tracker.events import AllBlocksCleared, WireEra, encode_message
 from tracker.index import BlockIndex, MemoryIndex
 from tracker.metrics import TrackerMetrics
 from tracker.redis_index import RedisIndex
@@ -175,6 +175,27 @@ async def test_in_order_batches_are_applied(make_tracker: Any, make_publisher: A
     assert tracker.value("kvrouter_tracker_gaps_total", replica="r1") == 0
     # no replay endpoint: the orphan cannot be resynced, nothing is cleared
     assert tracker.value("kvrouter_tracker_resets_total", cause="orphan_resync") == 0
+
+
+async def test_lookahead_hashing_is_indexed_and_shown(
+    make_tracker: Any, make_publisher: Any
+) -> None:
+    """vLLM 0.33 folds the tokens after each block into its hash: the index keys the blocks
+    as a router hashing with ``--lookahead-tokens 2`` does, and /health says 2."""
+    tracker = await make_tracker()
+    pub = await make_publisher(replay=False, era=WireEra.V0_33_0)
+    stream = await tracker.track("r1", pub)
+    assert stream.status()["lookahead_tokens"] == 0
+    event = msgspec.structs.replace(
+        stored(A_TOKENS, A_HASHES), lookahead_token_ids=[A_TOKENS[4:6], [50, 51]]
+    )
+    await pub.publish(event)
+    await wait_until(lambda: stream.last == 0, what="seq 0 applied")
+    prompt = [*A_TOKENS, 50, 51]
+    matches = await tracker.index.lookup(NS, block_keys(prompt, NS, lookahead=2))
+    assert {r: m.blocks for r, m in matches.items()} == {"r1": 2}
+    assert await held(tracker.index, A_TOKENS) == {}  # keys without lookahead: nothing
+    assert stream.status()["lookahead_tokens"] == 2
 
 
 async def test_a_silent_live_stream_is_noticed_and_polled(
