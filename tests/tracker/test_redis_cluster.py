@@ -1,6 +1,7 @@
 """kvrouter on a real Redis Cluster (3 masters, 3 replicas, started by the fixture):
 every index operation, partitions spread over masters, the routers' shared load, the
-tracker election, and a master failover reconciled."""
+tracker election, a master failover reconciled, and an idle partition moved to another
+master."""
 
 from __future__ import annotations
 
@@ -124,6 +125,59 @@ async def test_a_master_failover_is_followed_and_reconciled(
         assert await index.last_seq("r1", NS) == 2
     finally:
         await index.close()
+
+
+async def test_an_idle_partition_moved_to_another_master_keeps_everything(
+    cluster: RedisClusterNodes, cluster_url: str
+) -> None:
+    """The documented safe way to reshard (docs/deployment.md): move a partition's slot
+    while nothing writes to it, with the commands ``redis-cli --cluster reshard`` issues
+    (IMPORTING / MIGRATING, ``MIGRATE`` of every key, ``SETSLOT NODE``). Every placement and
+    checkpoint arrives; the clients follow ``MOVED`` to the new master and go on writing
+    there."""
+    index = RedisIndex.from_url(cluster_url)
+    try:
+        await index.apply("r1", NS, batch(store(SEQ)), 1)
+        await index.apply("r2", NS, batch(store(SEQ[:8])), 7)
+        before = await matches(index, SEQ)
+        seq_key = schema.NamespaceKeys(NS).seq
+        with sync_redis(cluster_url) as client:
+            slot = client.keyslot(seq_key)
+            source = client.get_node_from_key(seq_key).port
+        masters = [port for port in _ports(cluster) if _info(port).get("role") == "master"]
+        target = next(port for port in masters if port != source)
+        moved = await asyncio.to_thread(_migrate_slot, slot, source, target, masters)
+        assert moved > 0
+        with sync_redis(cluster_url) as client:
+            assert client.get_node_from_key(seq_key).port == target
+        # the same client: its slot map is stale until the first MOVED
+        assert await matches(index, SEQ) == before
+        assert await index.last_seq("r1", NS) == 1 and await index.last_seq("r2", NS) == 7
+        await index.apply("r1", NS, batch(remove(SEQ, 3)), 2)
+        assert await matches(index, SEQ) == {**before, "r1": (3, 3)}
+    finally:
+        await index.close()
+
+
+def _migrate_slot(slot: int, source: int, target: int, masters: list[int]) -> int:
+    """Move ``slot`` from the master on port ``source`` to the one on ``target`` as
+    ``redis-cli --cluster reshard`` does; the number of keys moved."""
+    src, dst = redis.Redis(port=source), redis.Redis(port=target)
+    try:
+        src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        moved = 0
+        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+            src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+            moved += len(keys)
+        for port in masters:  # every master learns the new owner (the target first)
+            with redis.Redis(port=port) as node:
+                node.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        return moved
+    finally:
+        src.close()
+        dst.close()
 
 
 def _ports(cluster: RedisClusterNodes) -> list[int]:
