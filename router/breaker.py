@@ -93,6 +93,7 @@ class SharedView:
     fallback: str | None = None
     residency: dict[str, Residency] = field(default_factory=dict)
     homes: dict[str, Home] = field(default_factory=dict)
+    lookahead: dict[str, int] = field(default_factory=dict)
 
 
 class GuardedIndex:
@@ -169,7 +170,13 @@ class GuardedIndex:
             self.breaker.abandon()
             raise
         self.breaker.success()
-        return SharedView(survey.matches, loads, residency=survey.residency, homes=survey.homes)
+        return SharedView(
+            survey.matches,
+            loads,
+            residency=survey.residency,
+            homes=survey.homes,
+            lookahead=survey.lookahead,
+        )
 
     async def loads(
         self, namespace: Namespace, timeout_s: float = 1.0

@@ -135,10 +135,10 @@ class RouterSettings(ServiceSettings):
     )
     breaker_failures: int = setting(3, "index failures in a row that open the circuit breaker")
     breaker_cooldown_s: float = setting(2.0, "how long the open breaker skips the index")
-    lookahead_tokens: int = setting(
-        0,
+    lookahead_tokens: int | None = setting(
+        None,
         "tokens after each block that the engines fold into its hash (vLLM 0.33 lookahead "
-        "hashing with EAGLE-style drafting; the tracker's /health shows what they send)",
+        "hashing with EAGLE-style drafting; default: what the tracker saw in their events)",
     )
     predict_ttl_s: float = setting(
         3.0, "predict-on-route: the chosen replica holds the prompt's blocks this long (0: off)"
@@ -205,8 +205,7 @@ class RouterSettings(ServiceSettings):
                 raise ConfigError(f"replica {spec.id!r} needs url=http://host:port to be routed")
         if len({s.id for s in specs}) != len(specs):
             raise ConfigError("a replica id is given twice")
-        if self.block_size <= 0:
-            raise ConfigError("block-size must be positive")
+        self._check_hashing()
         model_paths(self.tokenizer, "tokenizer")
         model_paths(self.chat_template, "chat-template")
         positive = (
@@ -244,7 +243,6 @@ class RouterSettings(ServiceSettings):
             "default_output_tokens",
             "kv_full_penalty_ms",
             "decode_ms_per_request",
-            "lookahead_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
@@ -272,6 +270,12 @@ class RouterSettings(ServiceSettings):
                 "workers: more than one router process needs --redis (the embedded index "
                 "lives in one process)"
             )
+
+    def _check_hashing(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError("block-size must be positive")
+        if (self.lookahead_tokens or 0) < 0:
+            raise ConfigError("lookahead-tokens must be >= 0")
 
     def _check_speed(self) -> None:
         if not (self.prefill_ms_per_token > 0 and math.isfinite(self.prefill_ms_per_token)):

@@ -150,6 +150,8 @@ class Placer:
         self.occupancy = OccupancyBook(half_life) if half_life > 0 else None
         self._mixed: set[str] = set()
         self._policies: dict[int, PolicyConfig] = {}
+        # per (model, block size): the lookahead tokens the engines hash, as the index said
+        self._lookahead: dict[tuple[str, int], int] = {}
         # keys of recent long prompts: a repeated prefix is compared, not hashed again
         self._chains = ChainCache()
 
@@ -168,6 +170,35 @@ class Placer:
         if resolved is None:
             raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
         return resolved
+
+    def _keys(self, ids: list[int], namespace: Namespace, salt: str | None) -> list[int]:
+        """The prompt's block keys as the engines hash it: the cache salt on the first block,
+        and the lookahead tokens set, or else learned (:meth:`_learn_lookahead`)."""
+        extra = [(salt,)] if salt is not None else None
+        lookahead = self.settings.lookahead_tokens
+        if lookahead is None:
+            lookahead = self._lookahead.get((namespace.model, namespace.block_size), 0)
+        return self._chains.keys(ids, namespace, extra_keys=extra, lookahead=lookahead)
+
+    def _learn_lookahead(
+        self, namespace: Namespace, candidates: Sequence[Replica], view: SharedView
+    ) -> None:
+        """Remember how many tokens after each block the candidates' engines hash (vLLM
+        0.33's lookahead hashing, as the tracker saw in their events) for the next prompt:
+        the most common among them. Until a lookup has said so, keys are hashed without
+        (such a prompt matches nothing and is routed by load)."""
+        if view.fallback is not None:
+            return
+        size = namespace.block_size
+        seen = view.lookahead
+        widths = Counter(seen.get(r.id, 0) for r in candidates if r.block_size == size)
+        width = widths.most_common(1)[0][0] if widths else 0
+        if self._lookahead.get((namespace.model, size), 0) != width:
+            logger.info(
+                "engines hash lookahead tokens",
+                extra={"model": namespace.model, "block_size": size, "lookahead_tokens": width},
+            )
+            self._lookahead[(namespace.model, size)] = width
 
     def _block_size(self, model: str, candidates: Sequence[Replica]) -> int:
         sizes = Counter(r.block_size for r in candidates)
@@ -233,13 +264,11 @@ class Placer:
             )
         tokenized = time.perf_counter()
         stages["tokenize"] = tokenized - started
-        extra = [(request.cache_salt,)] if request.cache_salt is not None else None
-        keys = self._chains.keys(
-            ids, namespace, extra_keys=extra, lookahead=self.settings.lookahead_tokens
-        )
+        keys = self._keys(ids, namespace, request.cache_salt)
         hashed = time.perf_counter()
         stages["hash"] = hashed - tokenized
         view = await self.shared.view(namespace, keys)
+        self._learn_lookahead(namespace, candidates, view)
         fallback = fallback or view.fallback
         looked_up = time.perf_counter()
         stages["lookup"] = looked_up - hashed

@@ -70,6 +70,9 @@ class Survey(msgspec.Struct, frozen=True):
     ago (ms) the oldest of those still prefilling was sent, when
     asked for (``load_except``) and the index holds the routers' shared load (Redis); key
     "" (zeros) when another router is present, whether or not it has load."""
+    lookahead: dict[str, int] = msgspec.field(default_factory=dict)
+    """Per replica whose engine hashes lookahead tokens (vLLM 0.33), how many: the routers
+    hash prompts the same way (:func:`tracker.blocks.block_keys`)."""
 
 
 class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,6 +166,10 @@ class BlockIndex(Protocol):
     ) -> None:
         """:meth:`predict` ``keys`` and :meth:`claim` ``anchors`` together (one round trip
         where the backend is remote): what a router records of each request it routes."""
+
+    async def set_lookahead(self, replica: str, namespace: Namespace, tokens: int) -> None:
+        """Record how many tokens after each block ``replica``'s engine folds into its hash
+        (0: none), as its events show; :attr:`Survey.lookahead` returns it."""
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
         """How many distinct blocks ``replica`` holds."""
@@ -280,6 +287,7 @@ class MemoryIndex:
         self._seen: dict[str, float] = {}
         self._predictions: dict[Namespace, dict[int, dict[str, float]]] = {}
         self._residency: dict[Namespace, dict[str, list[int]]] = {}
+        self._lookahead: dict[Namespace, dict[str, int]] = {}
         self._homes: dict[Namespace, dict[int, tuple[str, float, float]]] = {}
         self._sweep_at = 0.0
 
@@ -355,8 +363,18 @@ class MemoryIndex:
         counts = self._residency.get(namespace.base(), {})
         residency = {r: Residency(n, s) for r, (n, s) in counts.items()}
         return Survey(
-            await self.lookup(namespace, keys), residency, self._walk_homes(namespace, keys)
+            await self.lookup(namespace, keys),
+            residency,
+            self._walk_homes(namespace, keys),
+            lookahead=dict(self._lookahead.get(namespace.base(), {})),
         )
+
+    async def set_lookahead(self, replica: str, namespace: Namespace, tokens: int) -> None:
+        widths = self._lookahead.setdefault(namespace.base(), {})
+        if tokens:
+            widths[replica] = tokens
+        else:
+            widths.pop(replica, None)
 
     def _walk_homes(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Home]:
         table = self._homes.get(namespace.base(), {})

@@ -29,6 +29,8 @@ key                             type   content
 ``P:T:stats``                   HASH   per replica, from its events: ``n:<replica>`` ->
                                        GPU blocks held now, ``s:<replica>`` -> GPU blocks
                                        stored ever (the router derives cache churn)
+``P:T:lookahead``               HASH   replica id -> tokens after each block its engine
+                                       folds into the block's hash (vLLM 0.33; absent: 0)
 ``P:T:plive``                   STRING set while any prediction may be live (expires
                                        with the longest); spares the tracker's writes
                                        the prediction check when there are none
@@ -89,6 +91,7 @@ class NamespaceKeys:
         "engine_prefix",
         "home_prefix",
         "load",
+        "lookahead",
         "nsid",
         "plive",
         "prediction_prefix",
@@ -115,6 +118,7 @@ class NamespaceKeys:
         self.seq = f"{self.tag}:seq"
         self.load = f"{self.tag}:load"
         self.stats = f"{self.tag}:stats"
+        self.lookahead = f"{self.tag}:lookahead"
         self.plive = f"{self.tag}:plive"
 
     def fence(self, election: str) -> str:

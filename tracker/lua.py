@@ -253,7 +253,9 @@ LOAD_SNAPSHOT: Final = (
 
 # KEYS: [rname hash, optionally the load hash]; ARGV: [key prefix with hash tag, n x 8-byte
 # block key, with the load hash: the router id whose entries to skip, its presence's ttl ms]
-# Returns {matches, stats, homes, load}: load_snapshot of the load hash when given (one round
+# Returns {matches, stats, homes, load, lookahead}: lookahead the partition's lookahead hash
+# (replica -> tokens after each block its engine hashes, tracker.keys); load_snapshot of the
+# load hash when given (one round
 # trip for a router's whole view), else empty; matches a flat array [replica, matched blocks,
 # matched GPU blocks, predicted blocks, ...]; stats the partition's whole stats hash
 # (HGETALL), for every replica; homes [replica, depth in blocks, age ms, ...]: the home
@@ -390,7 +392,8 @@ if #horder > 0 then
 end
 local load = {}
 if KEYS[2] then load = load_snapshot(KEYS[2], ARGV[3], tonumber(ARGV[4])) end
-if #order == 0 then return {{}, stats, named, load} end
+local ahead = redis.call('HGETALL', ARGV[1] .. ':lookahead')
+if #order == 0 then return {{}, stats, named, load, ahead} end
 local names = redis.call('HMGET', KEYS[1], unpack(order))
 local out = {}
 for k, rid in ipairs(order) do
@@ -401,7 +404,7 @@ for k, rid in ipairs(order) do
     out[#out + 1] = runs[rid][3]
   end
 end
-return {out, stats, named, load}
+return {out, stats, named, load, ahead}
 """
 )
 

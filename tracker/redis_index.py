@@ -457,6 +457,7 @@ class RedisIndex:
             self._release_rid(keys=[nk.rid, nk.rname, nk.ridfree], args=[replica]),
         )
         await self._call("stats", self.client.hdel(nk.stats, *nk.stats_fields(replica)))
+        await self._call("lookahead", self.client.hdel(nk.lookahead, replica))
         self._rids.pop((replica, base), None)
         self._ledgers.pop((replica, base), None)
         self._seqs.pop((replica, base), None)
@@ -489,7 +490,7 @@ class RedisIndex:
             ttl_ms = max(1, round(load_ttl_s * 1000))  # as the load board rounds its own
             args: list[str | bytes | int] = [nk.tag, _chain(keys), load_except, ttl_ms]
             call = self._lookup(keys=[nk.rname, nk.load], args=args)
-        found, stats, homes, others = await self._call("lookup", call)
+        found, stats, homes, others, ahead = await self._call("lookup", call)
         matches: dict[str, Match] = {}
         for i in range(0, len(found), 4):
             name = found[i].decode()
@@ -505,7 +506,13 @@ class RedisIndex:
         }
         residency = {r: Residency(max(0, n), s) for r, (n, s) in counts.items()}
         load = load_sums(others) if load_except is not None else None
-        return Survey(matches, residency, claims, load)
+        lookahead = {ahead[i].decode(): int(ahead[i + 1]) for i in range(0, len(ahead) - 1, 2)}
+        return Survey(matches, residency, claims, load, lookahead)
+
+    async def set_lookahead(self, replica: str, namespace: Namespace, tokens: int) -> None:
+        key = self.keys_for(namespace.base()).lookahead
+        write = self.client.hset(key, replica, tokens) if tokens else self.client.hdel(key, replica)
+        await self._call("lookahead", write)
 
     async def claim(
         self, namespace: Namespace, replica: str, anchors: Sequence[int], ttl_s: float

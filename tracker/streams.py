@@ -129,6 +129,7 @@ class ReplicaStream:
         self._last_resync = -math.inf
         self.era: WireEra | None = None
         self.lookahead = 0  # tokens after each block its hash covers (_note_lookahead)
+        self._lookahead_written = False  # the first batch says it, 0 too (clears a stale one)
         self._applied = 0
 
     @property
@@ -481,7 +482,7 @@ class ReplicaStream:
             self._advance(message.seq)
             return
         self._sniff(message.payload)
-        self._note_lookahead(batch)
+        await self._note_lookahead(batch)
         started = time.perf_counter()
         result = await self._writer.apply(self.id, self.namespace, batch, message.seq)
         self._metrics.batch(batch)
@@ -510,10 +511,11 @@ class ReplicaStream:
             self.era = era
             logger.info("replica wire era", extra={"replica": self.id, "era": era.value})
 
-    def _note_lookahead(self, batch: EventBatch) -> None:
+    async def _note_lookahead(self, batch: EventBatch) -> None:
         """How many tokens after each block the engine folds into its hash (vLLM 0.33's
-        lookahead hashing): the routers must hash the same (``--lookahead-tokens``), or no
-        prompt ever matches its blocks; said once per change, and in ``/health``."""
+        lookahead hashing): the routers hash prompts the same way, learning it from the
+        index (:meth:`BlockIndex.set_lookahead`); said once per change, and in ``/health``.
+        A write the index refused is tried again with the next batch."""
         for event in batch.events:
             if not isinstance(event, BlockStored) or not event.token_ids:
                 continue
@@ -521,12 +523,18 @@ class ReplicaStream:
             width = len(lists[0] or ()) if lists else 0
             if width != self.lookahead:
                 self.lookahead = width
-                log = logger.warning if width else logger.info
-                log(
-                    "replica's lookahead hashing changed: routers need --lookahead-tokens",
+                self._lookahead_written = False
+                logger.info(
+                    "replica's lookahead hashing changed",
                     extra={"replica": self.id, "lookahead_tokens": width},
                 )
-            return
+            break
+        if not self._lookahead_written:
+            try:
+                await self._index.set_lookahead(self.id, self.namespace, self.lookahead)
+            except IndexUnavailableError:
+                return
+            self._lookahead_written = True
 
     def _advance(self, seq: int) -> None:
         self.last = seq

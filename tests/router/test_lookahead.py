@@ -24,11 +24,14 @@ async def _complete(client: httpx.AsyncClient, prompt: str) -> tuple[int, int, s
     return int(response.headers[PREDICTED_HEADER]), cached, response.headers[REPLICA_HEADER]
 
 
-async def test_predictions_follow_lookahead_hashing() -> None:
+@pytest.mark.parametrize("configured", [LOOKAHEAD, None], ids=["set", "learned"])
+async def test_predictions_follow_lookahead_hashing(configured: int | None) -> None:
+    """``--lookahead-tokens`` set, or left to what the tracker saw in the engine's events
+    (the router learns it from its first lookup)."""
     shared = "".join(chr(ord("a") + i % 26) for i in range(20 * BLOCK))
     async with (
         engines(1, lookahead_tokens=LOOKAHEAD, time_scale=0.01) as fleet,
-        router(replica=fleet.specs, lookahead_tokens=LOOKAHEAD, predict_ttl_s=0) as service,
+        router(replica=fleet.specs, lookahead_tokens=configured, predict_ttl_s=0) as service,
         httpx.AsyncClient(base_url=base_url(service), timeout=30) as client,
     ):
         first = await _complete(client, shared + "X" * 40)

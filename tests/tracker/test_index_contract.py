@@ -390,6 +390,17 @@ async def test_residency_counts_held_and_stored_gpu_blocks(index: BlockIndex) ->
     assert (survey.residency["a"].blocks, survey.residency["a"].stored) == (0, 5)
 
 
+async def test_lookahead_widths_are_surveyed_per_replica(index: BlockIndex) -> None:
+    assert (await index.survey(NS, [])).lookahead == {}
+    await index.set_lookahead("a", NS, 2)
+    await index.set_lookahead("b", NS, 0)  # no lookahead: nothing to say
+    await index.set_lookahead("c", Namespace("other", NS.block_size), 1)
+    lora = Namespace(NS.model, NS.block_size, "adapter")  # an adapter's partition is the base's
+    assert (await index.survey(lora, block_keys(SEQ, NS))).lookahead == {"a": 2}
+    await index.set_lookahead("a", NS, 0)
+    assert (await index.survey(NS, [])).lookahead == {}
+
+
 async def test_homes_name_the_last_replica_each_anchor_was_routed_to(index: BlockIndex) -> None:
     long = list(range(5000, 5040))  # 10 blocks of 4
     keys = block_keys(long, NS)

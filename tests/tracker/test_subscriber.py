@@ -181,7 +181,7 @@ async def test_lookahead_hashing_is_indexed_and_shown(
     make_tracker: Any, make_publisher: Any
 ) -> None:
     """vLLM 0.33 folds the tokens after each block into its hash: the index keys the blocks
-    as a router hashing with ``--lookahead-tokens 2`` does, and /health says 2."""
+    as a router hashing 2 lookahead tokens does, and /health and the index say 2."""
     tracker = await make_tracker()
     pub = await make_publisher(replay=False, era=WireEra.V0_33_0)
     stream = await tracker.track("r1", pub)
@@ -196,6 +196,8 @@ async def test_lookahead_hashing_is_indexed_and_shown(
     assert {r: m.blocks for r, m in matches.items()} == {"r1": 2}
     assert await held(tracker.index, A_TOKENS) == {}  # keys without lookahead: nothing
     assert stream.status()["lookahead_tokens"] == 2
+    # the routers learn it from the index (router.placement)
+    assert (await tracker.index.survey(NS, [])).lookahead == {"r1": 2}
 
 
 async def test_a_silent_live_stream_is_noticed_and_polled(
