@@ -314,17 +314,22 @@ class Harness:
             for url in self.stack.replica_urls:
                 await self._reset_one(client, url)
 
+    async def _reset_engine(self, client: httpx.AsyncClient, url: str) -> None:
+        """Empty one engine's prefix cache, then send it a request too short to fill a
+        block: an engine publishes what its block pool queued (``AllBlocksCleared`` too)
+        only when its scheduler steps, as vLLM does."""
+        tiny = {"model": self.stack.config.model, "prompt": "hi", "max_tokens": 1}
+        (await client.post(f"{url}/reset_prefix_cache")).raise_for_status()
+        (await client.post(f"{url}/v1/completions", json=tiny)).raise_for_status()
+
     async def _reset_vllm(self, client: httpx.AsyncClient) -> None:
         """Real vLLM has no probe, and refuses to reset while requests hold blocks (the
         last run's draining): reset until the index, which follows its events, holds
-        nothing. vLLM publishes what its block pool queued (``AllBlocksCleared`` too) only
-        when the scheduler steps: a request too short to fill a block makes it step."""
+        nothing."""
         deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-        tiny = {"model": self.stack.config.model, "prompt": "hi", "max_tokens": 1}
         while True:
             for url in self.stack.replica_urls:
-                (await client.post(f"{url}/reset_prefix_cache")).raise_for_status()
-                (await client.post(f"{url}/v1/completions", json=tiny)).raise_for_status()
+                await self._reset_engine(client, url)
             await asyncio.sleep(0.5)  # the events reach the index
             blocks = await self._indexed_blocks(client)
             if blocks == 0:
@@ -334,10 +339,8 @@ class Harness:
 
     async def _reset_one(self, client: httpx.AsyncClient, url: str) -> None:
         deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-        tiny = {"model": "default", "prompt": "hi", "max_tokens": 1}
         while True:
-            (await client.post(f"{url}/reset_prefix_cache")).raise_for_status()
-            (await client.post(f"{url}/v1/completions", json=tiny)).raise_for_status()
+            await self._reset_engine(client, url)
             probe = (await client.post(f"{url}/kvrouter/probe", json={"token_ids": []})).json()
             if probe["cached_blocks"] == 0:
                 return

@@ -187,10 +187,10 @@ class Placer:
         0.33's lookahead hashing, as the tracker saw in their events) for the next prompt:
         the most common among them. Until a lookup has said so, keys are hashed without
         (such a prompt matches nothing and is routed by load)."""
-        if view.fallback is not None:
-            return
         size = namespace.block_size
         seen = view.lookahead
+        if view.fallback is not None or not (seen or self._lookahead.get((namespace.model, size))):
+            return  # no answer, or nothing hashes lookahead tokens now or before: the usual
         widths = Counter(seen.get(r.id, 0) for r in candidates if r.block_size == size)
         width = widths.most_common(1)[0][0] if widths else 0
         if self._lookahead.get((namespace.model, size), 0) != width:
