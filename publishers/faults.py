@@ -80,7 +80,7 @@ def debug_routes(
         body: dict[str, Any] = {
             "model": model,
             "block_size": config.block_size,
-            "last_seq": publisher.next_seq - 1,
+            "last_seq": publisher.published - 1,  # sent or still queued
             "idle": engine.idle,
             "keys": sorted(keys),
         }

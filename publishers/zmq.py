@@ -131,6 +131,8 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.SimpleQueue[EventBatch] = queue.SimpleQueue()
         self._seq = 0
+        self._published = 0
+        self._published_lock = threading.Lock()
         self._drop_live = 0
         self._lose = 0
         self._closed = False
@@ -176,11 +178,20 @@ class ZmqEventPublisher:
         """Batches the thread has sent so far, i.e. the sequence number of the next one."""
         return self._seq
 
+    @property
+    def published(self) -> int:
+        """Batches handed to :meth:`publish` so far. Each takes the next sequence number
+        when the thread sends it, so ``published - 1`` is the last batch's, sent or still
+        queued: what a consumer that has everything the engine emitted has applied."""
+        return self._published
+
     def publish(self, events: list[Event]) -> None:
         """Queue one batch (stamped now); thread-safe and non-blocking."""
         if self._closed:
             raise RuntimeError("publisher is closed")
-        self._queue.put(EventBatch(time.time(), list(events), self.data_parallel_rank))
+        with self._published_lock:
+            self._published += 1
+            self._queue.put(EventBatch(time.time(), list(events), self.data_parallel_rank))
         self._ring()
 
     def drop_live(self, batches: int = 1) -> None:

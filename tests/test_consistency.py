@@ -121,7 +121,10 @@ async def quiesce(index: RedisIndex, replicas: list[Replica]) -> None:
     async with asyncio.timeout(20):
         while True:
             done = [
-                await index.last_seq(r.id, NAMESPACE) == r.publisher.next_seq - 1 for r in replicas
+                # published, not next_seq: a batch still queued in the publisher's thread has
+                # changed the engine's cache already
+                await index.last_seq(r.id, NAMESPACE) == r.publisher.published - 1
+                for r in replicas
             ]
             if all(done):
                 await index.flush()
