@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 from collections.abc import AsyncIterator
 
@@ -147,3 +148,7 @@ async def test_no_connection_outlives_stop_not_even_one_accepted_as_it_began() -
         kept = [connection for each in await asyncio.gather(*clients) for connection in each]
         assert kept  # connections were kept alive when stop began
         assert not any(await asyncio.gather(*(_answered(c) for c in kept)))
+    # the dropped sockets are finalized here, under this test's filters: collected later,
+    # during another test, their warning failed that one (a clean-clone run, in
+    # test_index_property)
+    gc.collect()
