@@ -11,6 +11,12 @@ KV-cache group, including when the KV events are produced (``docs/vllm-kv-events
   reused for new data (``BlockRemoved``, one hash per event); the free queue is LRU and a
   finished request frees its blocks tail first, so leaves are evicted before their parents;
 * nothing is de-duplicated: recomputing a cached hash stores a second physical copy.
+
+An optional CPU tier (:class:`OffloadTier`) plays vLLM's offloading connector with a CPU
+backend: the blocks the GPU pool evicts are kept in host memory, announced and dropped with
+the connector's events (``medium="CPU"``, no tokens, the GPU pool's hashes as v0.24+ sends
+them), and a prompt whose cached prefix continues there loads those blocks back instead of
+recomputing them.
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ from typing import Any, Final
 
 import msgspec
 
-from tracker.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event
+from tracker.events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+)
 
 KV_CACHE_SPEC_KIND: Final = "full_attention"
 GROUP_IDX: Final = 0
@@ -138,10 +151,66 @@ class KVBlock:
         self.entry: CachedBlock | None = None
 
 
-class BlockPool:
-    """Physical blocks, the LRU free queue and the prefix-cache map; queues KV events."""
+class OffloadTier:
+    """Blocks kept in host memory after the GPU pool evicted them, least recently used first.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    :param capacity: blocks the tier holds; the oldest is dropped for a new one.
+    :param events: the pool's event queue: the tier's events go in the same order as its.
+    """
+
+    def __init__(self, capacity: int, events: list[Event]) -> None:
+        if capacity <= 0:
+            raise ValueError("an offload tier holds at least one block")
+        self.capacity = capacity
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._events = events
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._blocks
+
+    def keep(self, digest: bytes) -> None:
+        """Copy an evicted GPU block here (before the pool announces its removal, so a
+        consumer knows the hash when the copy is announced, as the connector stores first)."""
+        if digest in self._blocks:
+            self._blocks.move_to_end(digest)
+            return
+        if len(self._blocks) >= self.capacity:
+            old, _ = self._blocks.popitem(last=False)
+            self._events.append(
+                BlockRemoved([external_hash(old)], medium=MEDIUM_CPU, group_idx=GROUP_IDX)
+            )
+        self._blocks[digest] = None
+        self._events.append(
+            BlockStored(
+                [external_hash(digest)], None, [], 0, medium=MEDIUM_CPU, group_idx=GROUP_IDX
+            )
+        )
+
+    def loadable(self, digests: Sequence[bytes]) -> int:
+        """How many of ``digests``, from the first, the tier holds; those become the most
+        recently used."""
+        count = 0
+        for digest in digests:
+            if digest not in self._blocks:
+                break
+            self._blocks.move_to_end(digest)
+            count += 1
+        return count
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
+class BlockPool:
+    """Physical blocks, the LRU free queue and the prefix-cache map; queues KV events.
+
+    :param offload_blocks: size of a CPU tier behind the pool (0: none).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, offload_blocks: int = 0) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.block_size = block_size
@@ -151,6 +220,7 @@ class BlockPool:
         # digest -> physical copies (block_id -> block), first inserted serves hits
         self._cached: dict[bytes, dict[int, KVBlock]] = {}
         self.events: list[Event] = []
+        self.offload = OffloadTier(offload_blocks, self.events) if offload_blocks else None
 
     @property
     def num_free(self) -> int:
@@ -170,7 +240,8 @@ class BlockPool:
         return next(iter(copies.values())) if copies else None
 
     def take_events(self) -> list[Event]:
-        events, self.events = self.events, []
+        events = list(self.events)
+        self.events.clear()  # the offload tier appends to the same list
         return events
 
     def get_new_blocks(self, count: int) -> list[KVBlock]:
@@ -192,6 +263,8 @@ class BlockPool:
         del copies[block.block_id]
         if not copies:
             del self._cached[block.digest]
+        if self.offload is not None:
+            self.offload.keep(block.digest)
         self.events.append(
             BlockRemoved(
                 block_hashes=[external_hash(block.digest)], medium=MEDIUM_GPU, group_idx=GROUP_IDX
@@ -263,6 +336,8 @@ class BlockPool:
         self._cached.clear()
         for block in self.blocks:
             block.digest = block.entry = None
+        if self.offload is not None:
+            self.offload.clear()  # AllBlocksCleared empties every tier for a consumer
         self.events.append(AllBlocksCleared())
         return True
 
@@ -299,6 +374,15 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def offloaded_blocks(self, seq: TokenSequence, hits: int) -> int:
+        """Blocks right after ``hits`` GPU hits that the CPU tier can load (the connector's
+        external hit: it continues the GPU prefix, and the last token is still computed)."""
+        offload = self.pool.offload
+        if offload is None:
+            return 0
+        limit = (seq.num_tokens - 1) // self.block_size
+        return offload.loadable(seq.block_hashes[hits:limit])
 
     def allocate_slots(
         self,

@@ -94,6 +94,11 @@ class ReplicaSettings(ServiceSettings):
         "tokens after each block folded into its hash, as vLLM 0.33 does with EAGLE-style "
         "drafting (needs --era v0.33.0 or later; routers need the same --lookahead-tokens)",
     )
+    offload_blocks: int = setting(
+        0,
+        "blocks of a CPU tier behind each engine's GPU cache, as vLLM's offloading connector "
+        "keeps, announced with medium CPU (0: none; needs --era v0.24.0 or later)",
+    )
     tokenizer: str | None = setting(None, "tokenizer.json or its directory (default: builtin)")
     chat_template: str | None = setting(
         None, "chat template (.jinja or tokenizer_config.json); default: the tokenizer's"
@@ -135,11 +140,19 @@ class ReplicaSettings(ServiceSettings):
             raise ConfigError("time-scale must be positive")
         if not 0 < self.heartbeat_s * 2 <= self.ttl_s:
             raise ConfigError("heartbeat-s must be positive and at most half of ttl-s")
+        self._check_era_features()
+
+    def _check_era_features(self) -> None:
         era = WireEra.for_release(self.era)
         if self.lookahead_tokens < 0:
             raise ConfigError("lookahead-tokens must be >= 0")
         if self.lookahead_tokens and not era.at_least(WireEra.V0_33_0):
             raise ConfigError("lookahead-tokens: vLLM sends lookahead tokens from v0.33.0 on")
+        if self.offload_blocks < 0:
+            raise ConfigError("offload-blocks must be >= 0")
+        if self.offload_blocks and not era.at_least(WireEra.V0_24_0):
+            # earlier connectors sent raw digests in place of the GPU pool's hashes
+            raise ConfigError("offload-blocks: the simulated CPU tier speaks vLLM v0.24.0 on")
 
     @property
     def wire_era(self) -> WireEra:

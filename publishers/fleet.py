@@ -123,6 +123,7 @@ class FleetService:
                 hash_seed=s.hash_seed,
                 max_model_len=s.max_model_len,
                 lookahead_tokens=s.lookahead_tokens,
+                offload_blocks=s.offload_blocks,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None

@@ -40,14 +40,10 @@ from router.requests import parse
 from router.upstream import UpstreamClient
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
-from tracker.index import BlockIndex
+from tracker.index import BlockIndex, describe_match
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _tier(gpu: int, blocks: int) -> str:
-    return "gpu" if gpu == blocks else "offload" if gpu == 0 else "mixed"
 
 
 class Router:
@@ -216,14 +212,7 @@ class Router:
     def _describe(self, placement: Placement) -> dict[str, Any]:
         size = placement.namespace.block_size
         replicas = {
-            m.replica: {
-                "matched_blocks": m.blocks,
-                "matched_tokens": m.blocks * size,
-                "gpu_blocks": m.gpu_blocks,
-                "offload_blocks": m.offload_blocks,
-                "predicted_blocks": m.predicted_blocks,
-                "tier": _tier(m.gpu_blocks, m.blocks),
-            }
+            m.replica: {**describe_match(m, size), "predicted_blocks": m.predicted_blocks}
             for m in sorted(placement.matches.values(), key=lambda m: (-m.blocks, m.replica))
         }
         decision = placement.decision

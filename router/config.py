@@ -93,7 +93,15 @@ class RouterSettings(ServiceSettings):
     sglang_balance_rel_threshold: float = setting(
         1.5, "sglang policy: ... and max in flight above this multiple of min"
     )
-    offload_hit_cost: float = setting(0.3, "cost of an offload-tier hit relative to recompute")
+    offload_hit_cost: float = setting(
+        0.3, "cost of a hit in the engine host's CPU memory relative to recompute"
+    )
+    storage_hit_cost: float = setting(
+        0.75, "cost of a hit in the engine host's storage tier relative to recompute"
+    )
+    remote_hit_cost: float = setting(
+        0.9, "cost of a hit in a remote (network) store relative to recompute"
+    )
     default_output_tokens: int = setting(
         256, "KV memory a request without max_tokens is expected to grow by, in tokens"
     )
@@ -306,6 +314,8 @@ class RouterSettings(ServiceSettings):
             hit_weight=self.hit_weight,
             load_weight=self.load_weight,
             offload_hit_cost=self.offload_hit_cost,
+            storage_hit_cost=self.storage_hit_cost,
+            remote_hit_cost=self.remote_hit_cost,
             temperature=self.temperature,
             tie_epsilon_ms=self.tie_epsilon_ms,
             tie_ratio=self.tie_ratio,

@@ -48,6 +48,7 @@ class DecisionJournal:
             candidates[state.id] = {
                 "matched": match.blocks if match else 0,
                 "gpu": match.gpu_blocks if match else 0,
+                "offload": match.offload_blocks if match else 0,
                 "predicted": match.predicted_blocks if match else 0,
                 "inflight": state.inflight,
                 "recent_inflight": round(state.recent_inflight, 2),

@@ -332,6 +332,8 @@ class Placer:
                     replica.id,
                     matched_blocks=match.blocks if match else 0,
                     matched_gpu_blocks=match.gpu_blocks if match else 0,
+                    matched_storage_blocks=match.storage_blocks if match else 0,
+                    matched_remote_blocks=match.remote_blocks if match else 0,
                     inflight=inflight,
                     queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
                     engine_waiting=engine.waiting if engine else None,

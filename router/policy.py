@@ -4,12 +4,14 @@ Score (``mode="ttft"``, the default), in milliseconds
 -----------------------------------------------------
 
 For a prompt of ``P`` tokens, a replica whose cached chain covers ``matched_blocks`` blocks of
-``B`` tokens (``matched_gpu_blocks`` of them in GPU memory, the rest in an offload tier) and
-whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
+``B`` tokens (``matched_gpu_blocks`` of them in GPU memory, the rest in an offload tier: the
+CPU memory of its host, local storage, a remote store) and whose prefill speed is estimated
+as a floor ``f`` (ms) plus ``s`` ms per token::
 
     usable     = min(matched_blocks, (P - 1) // B)    # vLLM recomputes at least the last token
     gpu        = min(matched_gpu_blocks, usable) * B  # and reuses full blocks only
-    offload    = usable * B - gpu
+    offload    = usable * B - gpu                     # CPU, then storage, then remote blocks
+    loading    = cpu_cost * cpu + storage_cost * storage + remote_cost * remote
     uncached   = P - usable * B
     active     = inflight + max(0, engine_running + engine_waiting - routed_at_scrape)
     unseen     = max(0, engine_waiting - inflight)    # waiting requests no router sent
@@ -20,7 +22,7 @@ whose prefill speed is estimated as a floor ``f`` (ms) plus ``s`` ms per token::
                  + decode_ms_per_request * active
                  + kv_full_penalty_ms * (min(usage, 1.5) - kv_high_watermark)
                    / (1 - kv_high_watermark)      # above the watermark only
-    own_work   = uncached + offload_hit_cost * offload
+    own_work   = uncached + loading
     expected_ttft_ms = queue_ms + f + s * own_work
     compute    = s * own_work * max(active, share * recent_inflight)  # beside it wait
     share      = the part of the new blocks that evict reused ones (0 while room is left)
@@ -57,9 +59,16 @@ Defaults and where they come from:
   ``--prefill-ms-per-token``). The slope is learned only from the rare cold prefills and
   fades with the many hits: in the 1,024-block benchmark cell, seeded 3x too fast (engines at
   time scale 3), the learned cold 5k-token prefill stayed at 333 ms against 480 measured.
-* ``offload_hit_cost = 0.3``: loading Llama-8B's 128 KiB/token of KV over a ~50 GB/s host
-  link is ~0.003 ms/token (10 % of recomputing it); 0.3 leaves room for the offload
-  connector's scheduling latency. Dynamo credits host-tier hits 0.75 (cost 0.25), llm-d 0.8.
+* ``offload_hit_cost = 0.3`` (a block in the CPU tier): loading Llama-8B's 128 KiB/token of
+  KV over a ~50 GB/s host link is ~0.003 ms/token (10 % of recomputing it); 0.3 leaves room
+  for the offload connector's scheduling latency. Dynamo credits host-tier hits 0.75 (cost
+  0.25), llm-d 0.8.
+* ``storage_hit_cost = 0.75`` (vLLM's ``STORAGE`` medium on the engine's host): a local NVMe
+  at ~6 GB/s reads that KV in ~0.02 ms/token, two thirds of recomputing it on an H200;
+  Dynamo credits disk hits 0.25 (cost 0.75).
+* ``remote_hit_cost = 0.9`` (locality ``REMOTE``, a store over the network): at the ~1.5 GB/s
+  vLLM's tiering assumes of a network file system, loading is slower than recomputing for an
+  8B model, and vLLM's backpressure then recomputes instead; a remote hit saves little.
 * ``unseen_request_tokens = 1024``: the prefill we assume for a waiting request that no
   router sent (a typical chat prompt).
 * ``decode_ms_per_request = 0.05``: every running sequence adds its KV read to each engine
@@ -128,7 +137,9 @@ class ReplicaState:
     """What the policy knows about one candidate replica for one request.
 
     :param matched_blocks: length of the replica's contiguous cached run of the prompt's
-        block chain; ``matched_gpu_blocks`` of those are in GPU memory.
+        block chain; ``matched_gpu_blocks`` of those are in GPU memory,
+        ``matched_storage_blocks`` in local storage and ``matched_remote_blocks`` in a remote
+        store (at best), the rest in the CPU memory of its host.
     :param inflight: requests in flight on this replica, summed over every router.
     :param queued_prefill_tokens: uncached prompt tokens of in-flight requests that have not
         produced their first token yet, summed over every router.
@@ -174,6 +185,8 @@ class ReplicaState:
     valued_blocks: int | None = None
     recent_inflight: float = 0.0
     prefill_elapsed_ms: float = 0.0
+    matched_storage_blocks: int = 0
+    matched_remote_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +198,8 @@ class PolicyConfig:
     hit_weight: float = 1.0
     load_weight: float = 1.0
     offload_hit_cost: float = 0.3
+    storage_hit_cost: float = 0.75
+    remote_hit_cost: float = 0.9
     temperature: float = 0.0
     tie_epsilon_ms: float = 1.0
     tie_ratio: float = 0.05
@@ -199,8 +214,10 @@ class PolicyConfig:
             raise ValueError(f"mode must be 'ttft' or 'linear', got {self.mode!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if not 0.0 <= self.offload_hit_cost <= 1.0:
-            raise ValueError(f"offload_hit_cost must be in [0, 1], got {self.offload_hit_cost}")
+        for name in ("offload_hit_cost", "storage_hit_cost", "remote_hit_cost"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
         if not 0.0 <= self.kv_high_watermark < 1.0:
             raise ValueError(f"kv_high_watermark must be in [0, 1), got {self.kv_high_watermark}")
         if not (self.miss_weight >= 1.0 and math.isfinite(self.miss_weight)):
@@ -225,6 +242,7 @@ class Score:
     ``work_tokens`` is the prefill work ahead of the request's first token in token units
     (queued + unseen + uncached + offload-weighted cached): what
     :meth:`router.estimator.SpeedBook.observe` wants next to the measured TTFT.
+    ``loading_tokens`` is the offloaded part's share of it (each tier's tokens times its cost).
     """
 
     replica: str
@@ -237,6 +255,7 @@ class Score:
     expected_ttft_ms: float
     score: float
     work_tokens: float = 0.0
+    loading_tokens: float = 0.0
     regret: float = 1.0
     compute_ms: float = 0.0
     evict_ms: float = 0.0
@@ -334,6 +353,7 @@ def score_replica(
     usable = max(0, min(state.matched_blocks, (prompt_tokens - 1) // size))
     gpu = max(0, min(state.matched_gpu_blocks, usable)) * size
     offload = usable * size - gpu
+    loading = _loading_tokens(state, usable - gpu // size, config) * size
     uncached = max(0, prompt_tokens - usable * size)
     speed = state.speed
 
@@ -345,7 +365,7 @@ def score_replica(
         excess = min(usage, MAX_KV_USAGE) - config.kv_high_watermark
         queue_ms += config.kv_full_penalty_ms * excess / (1.0 - config.kv_high_watermark)
 
-    own_work = uncached + config.offload_hit_cost * offload
+    own_work = uncached + loading
     prefill_ms = speed.prefill_ms(own_work)
     ttft = queue_ms + prefill_ms
     share = eviction_share(state, (uncached + offload) / size)  # offload hits load into GPU
@@ -367,7 +387,7 @@ def score_replica(
         evict = weight * (own_work * regret + split * share)
         value = -(ttft + compute + evict)
     else:
-        matched = (gpu + (1.0 - config.offload_hit_cost) * offload) / size
+        matched = (gpu + offload - loading) / size
         value = config.hit_weight * matched - config.load_weight * state.inflight
     return Score(
         replica=state.id,
@@ -380,10 +400,29 @@ def score_replica(
         expected_ttft_ms=ttft,
         score=value,
         work_tokens=queued + own_work,
+        loading_tokens=loading,
         regret=regret,
         compute_ms=compute,
         evict_ms=evict,
         split_tokens=split,
+    )
+
+
+def _loading_tokens(state: ReplicaState, offload_blocks: int, config: PolicyConfig) -> float:
+    """What loading ``offload_blocks`` of the run from the replica's offload tiers costs, in
+    blocks of recompute: the run's GPU blocks come first, then CPU, storage and remote ones
+    (an engine's LRU keeps a prefix's head on the faster tiers), so a prompt shorter than
+    the run drops the slowest."""
+    held = state.matched_blocks - state.matched_gpu_blocks
+    cpu = min(
+        max(0, held - state.matched_storage_blocks - state.matched_remote_blocks), offload_blocks
+    )
+    storage = min(state.matched_storage_blocks, offload_blocks - cpu)
+    remote = offload_blocks - cpu - storage
+    return (
+        config.offload_hit_cost * cpu
+        + config.storage_hit_cost * storage
+        + config.remote_hit_cost * remote
     )
 
 

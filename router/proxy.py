@@ -188,9 +188,7 @@ class _Attempt:
         self.replica = replica
         self.score: Score = call.placement.score(replica.id)
         placement = call.placement
-        work = self.score.uncached_tokens + round(
-            proxy.settings.offload_hit_cost * self.score.offload_cached_tokens
-        )
+        work = self.score.uncached_tokens + round(self.score.loading_tokens)
         self.lease = proxy.load.acquire(placement.namespace, replica.id, work)
         proxy.metrics.inflight.labels(replica.id).inc()
         self.dispatched = time.monotonic()

@@ -22,7 +22,7 @@ from publishers.engine import CachedBlock, EngineConfig, GenerationRequest, Simu
 from publishers.zmq import ZmqEventPublisher
 from tracker.blocks import Namespace, block_keys, own_extra_keys
 from tracker.config import TrackerSettings
-from tracker.keys import NamespaceKeys
+from tracker.keys import NamespaceKeys, bucket_entries
 from tracker.redis_index import RedisIndex
 from tracker.service import TrackerService
 
@@ -64,9 +64,8 @@ async def indexed_keys(client: aioredis.Redis, index: RedisIndex, replica: str) 
     held: set[int] = set()
     async for bucket in client.scan_iter(match=f"{nk.block_prefix}*", count=1000):
         for field, value in (await client.hgetall(bucket)).items():
-            for i in range(0, len(value), 2):
-                if (value[i] << 6 | value[i + 1] >> 2) == rid:
-                    held.add(int.from_bytes(field, "big"))
+            if any(entry == rid for entry, _ in bucket_entries(value)):
+                held.add(int.from_bytes(field, "big"))
     return held
 
 

@@ -12,6 +12,7 @@ from tracker.blocks import Namespace, block_keys
 from tracker.cli import Command
 from tracker.config import LookupSettings, TrackerSettings
 from tracker.errors import ConfigError, IndexUnavailableError
+from tracker.index import describe_match
 
 
 def _run_tracker(settings: TrackerSettings) -> int:
@@ -56,12 +57,7 @@ async def lookup(settings: LookupSettings, tokens: list[int]) -> dict[str, objec
         "tokens": len(tokens),
         "blocks": len(keys),
         "replicas": {
-            m.replica: {
-                "matched_blocks": m.blocks,
-                "matched_tokens": m.blocks * settings.block_size,
-                "gpu_blocks": m.gpu_blocks,
-                "offload_blocks": m.offload_blocks,
-            }
+            m.replica: describe_match(m, settings.block_size)
             for m in sorted(matches.values(), key=lambda m: (-m.blocks, m.replica))
         },
     }

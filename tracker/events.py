@@ -35,7 +35,12 @@ REPLAY_END_SEQ: Final = U64_MASK
 """Sequence value of the end-of-replay marker (``0xFF`` x 8)."""
 
 MEDIUM_GPU: Final = "GPU"
+MEDIUM_CPU: Final = "CPU"
+MEDIUM_STORAGE: Final = "STORAGE"
+LOCALITY_LOCAL: Final = "LOCAL"
 LOCALITY_REMOTE: Final = "REMOTE"
+LOCALITIES: Final = frozenset({LOCALITY_LOCAL, LOCALITY_REMOTE})
+"""vLLM's ``Locality`` values (v0.26+): where an offload tier's store is, seen from the engine."""
 
 
 class BlockStored(msgspec.Struct, frozen=True):

@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 
 from tracker.blocks import Namespace
 from tracker.events import EventBatch
-from tracker.keys import home_anchors
+from tracker.keys import TIER_BITS, home_anchors
 from tracker.ledger import LedgerChanges, ReplicaLedger
 
 _PREDICTION_SWEEP = 10_000
@@ -26,18 +26,44 @@ _PREDICTION_SWEEP = 10_000
 class Match(msgspec.Struct, frozen=True):
     """A replica's longest contiguous run of held blocks from the start of a chain.
 
-    ``predicted_blocks`` of the run are only predicted (the router sent a request with these
-    blocks there and the engine's events have not confirmed them yet); they count as GPU.
+    Each block of the run counts in the cheapest tier the replica holds it in: ``gpu_blocks``
+    + ``cpu_blocks`` + ``storage_blocks`` + ``remote_blocks`` == ``blocks``
+    (:class:`tracker.ledger.Tier`). ``predicted_blocks`` of the run are only predicted (the
+    router sent a request with these blocks there and the engine's events have not confirmed
+    them yet); they count as GPU.
     """
 
     replica: str
     blocks: int
     gpu_blocks: int
     predicted_blocks: int = 0
+    cpu_blocks: int = 0
+    storage_blocks: int = 0
+    remote_blocks: int = 0
 
     @property
     def offload_blocks(self) -> int:
+        """Blocks of the run held only in an offload tier (CPU, storage or remote)."""
         return self.blocks - self.gpu_blocks
+
+
+def describe_match(match: Match, block_size: int) -> dict[str, Any]:
+    """A match as ``/index`` and ``kvrouter lookup`` show it: the run, its blocks per tier,
+    and ``tier``: the one tier holding the whole run, or ``"mixed"``."""
+    per_tier = {
+        "gpu": match.gpu_blocks,
+        "cpu": match.cpu_blocks,
+        "storage": match.storage_blocks,
+        "remote": match.remote_blocks,
+    }
+    whole = [name for name, blocks in per_tier.items() if blocks == match.blocks]
+    return {
+        "matched_blocks": match.blocks,
+        "matched_tokens": match.blocks * block_size,
+        **{f"{name}_blocks": blocks for name, blocks in per_tier.items()},
+        "offload_blocks": match.offload_blocks,
+        "tier": whole[0] if whole else "mixed",
+    }
 
 
 class Residency(msgspec.Struct, frozen=True):
@@ -190,6 +216,19 @@ class BlockIndex(Protocol):
         """Release connections."""
 
 
+def _best_slot(tiers: int) -> int:
+    """Which count of a run a block in ``tiers`` adds to: its cheapest tier's (GPU first)."""
+    return (tiers & -tiers).bit_length() - 1
+
+
+_BEST_SLOT: Final = tuple(_best_slot(t) for t in range(1 << TIER_BITS))
+
+
+def _match(replica: str, blocks: int, counts: list[int] | None, predicted: int) -> Match:
+    gpu, cpu, storage, remote = counts or (0, 0, 0, 0)
+    return Match(replica, blocks, gpu, predicted, cpu, storage, remote)
+
+
 def walk(
     keys: Sequence[int],
     holders_of: dict[int, dict[str, int]],
@@ -200,12 +239,12 @@ def walk(
     Consecutive blocks held by the same replicas (the common case: a shared prefix) compare
     equal as dicts, so a run costs one C-level comparison per block instead of a loop. Where
     real placements end, ``predicted_of(key)`` (replicas predicted to hold ``key``) extends the
-    replicas still matching, or any replica if nothing matched.
+    replicas still matching, or any replica if nothing matched. Each block of a run counts
+    in the cheapest tier the replica holds it in.
     """
     lengths: dict[str, int] = {}
-    gpu: dict[str, int] = {}
-    advanced: list[str] = []
-    gpu_advanced: list[str] = []
+    tiers: dict[str, list[int]] = {}
+    advanced: list[tuple[str, int]] = []
     previous: dict[str, int] | None = None
     depth = pending = 0
     for key in keys:
@@ -215,24 +254,21 @@ def walk(
         if holders == previous:
             pending += 1
             continue
-        for replica in advanced:
+        for replica, slot in advanced:
             lengths[replica] += pending
-        for replica in gpu_advanced:
-            gpu[replica] += pending
+            tiers[replica][slot] += pending
         depth += pending
         if depth == 0:
             lengths = dict.fromkeys(holders, 0)
-            gpu = dict.fromkeys(holders, 0)
-        advanced = [r for r in holders if lengths.get(r, -1) == depth]
+            tiers = {replica: [0, 0, 0, 0] for replica in holders}
+        advanced = [(r, _BEST_SLOT[t]) for r, t in holders.items() if lengths.get(r, -1) == depth]
         if not advanced:
             pending = 0
             break
-        gpu_advanced = [r for r in advanced if holders[r] & 1]
         previous, pending = holders, 1
-    for replica in advanced:
+    for replica, slot in advanced:
         lengths[replica] += pending
-    for replica in gpu_advanced:
-        gpu[replica] += pending
+        tiers[replica][slot] += pending
     predicted: dict[str, int] = {}
     if predicted_of is not None:
         _extend(
@@ -241,10 +277,10 @@ def walk(
             holders_of=holders_of,
             predicted_of=predicted_of,
             lengths=lengths,
-            gpu=gpu,
+            tiers=tiers,
             predicted=predicted,
         )
-    return {r: Match(r, n, gpu.get(r, 0), predicted.get(r, 0)) for r, n in lengths.items() if n}
+    return {r: _match(r, n, tiers.get(r), predicted.get(r, 0)) for r, n in lengths.items() if n}
 
 
 def _extend(
@@ -254,21 +290,22 @@ def _extend(
     holders_of: dict[int, dict[str, int]],
     predicted_of: Callable[[int], Iterable[str]],
     lengths: dict[str, int],
-    gpu: dict[str, int],
+    tiers: dict[str, list[int]],
     predicted: dict[str, int],
 ) -> None:
-    """Phase 2 of :func:`walk`: block by block, real placements or unexpired predictions."""
+    """Phase 2 of :func:`walk`: block by block, real placements or unexpired predictions
+    (which count as GPU: the engine is computing those blocks)."""
     for key in keys[depth:]:
         moved = False
-        for replica, tiers in (holders_of.get(key) or {}).items():
+        for replica, held in (holders_of.get(key) or {}).items():
             if lengths.get(replica, 0 if depth == 0 else -1) == depth:
                 lengths[replica] = depth + 1
-                gpu[replica] = gpu.get(replica, 0) + (tiers & 1)
+                tiers.setdefault(replica, [0, 0, 0, 0])[_BEST_SLOT[held]] += 1
                 moved = True
         for replica in predicted_of(key):
             if lengths.get(replica, 0 if depth == 0 else -1) == depth:
                 lengths[replica] = depth + 1
-                gpu[replica] = gpu.get(replica, 0) + 1
+                tiers.setdefault(replica, [0, 0, 0, 0])[0] += 1
                 predicted[replica] = predicted.get(replica, 0) + 1
                 moved = True
         if not moved:

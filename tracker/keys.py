@@ -1,40 +1,44 @@
 """The whole Redis key schema, prefixed and versioned; nothing else builds Redis keys.
 
 Every key of one index partition (model + block size) carries the same hash tag
-``{<nsid>}``, so multi-key scripts stay in one Redis Cluster slot. Layout (``P`` =
-``kvr:v1``, ``T`` = ``{nsid}``):
+``{<nsid>}``, so multi-key scripts stay in one Redis Cluster slot. Partition keys carry
+their own layout version (``Q`` = ``kvr:v2``: a block's tiers took 4 bits in v2, 2 in v1),
+global keys theirs (``P`` = ``kvr:v1``), so a tracker or router of another layout finds an
+empty partition (load-only routing) instead of misreading one, while the replicas'
+registrations, which did not change, stay readable to both. Layout (``T`` = ``{nsid}``):
 
 ==============================  =====  ===================================================
 key                             type   content
 ==============================  =====  ===================================================
-``P:T:b:<bucket hex4>``         HASH   field: block key (8 bytes BE) -> value: 2 bytes per
-                                       replica holding it, ``rid << 2 | tiers``
-``P:T:e:<rid>:<bucket>``       HASH   a replica's engine map: field: engine hash (8 bytes
-                                       BE) -> value: block key (8 B) + GPU refs (2 B) +
-                                       offload refs (2 B)
-``P:T:p:<bucket hex4>``         HASH   predictions (router): block key -> 8 bytes per
+``Q:T:b:<bucket hex4>``         HASH   field: block key (8 bytes BE) -> value: 2 bytes per
+                                       replica holding it, ``rid << 4 | tiers`` (bits: GPU,
+                                       CPU, storage, remote; ``tracker.ledger.Tier``)
+``Q:T:e:<rid>:<bucket>``       HASH   a replica's engine map: field: engine hash (8 bytes
+                                       BE) -> value: block key (8 B) + references per tier
+                                       (GPU, CPU, storage, remote: 2 B each)
+``Q:T:p:<bucket hex4>``         HASH   predictions (router): block key -> 8 bytes per
                                        replica: rid (2 B) + expiry, Redis time ms (6 B)
-``P:T:h:<bucket hex4>``         HASH   homes (router): anchor block key -> rid (2 B) + the
+``Q:T:h:<bucket hex4>``         HASH   homes (router): anchor block key -> rid (2 B) + the
                                        time it was routed there + its expiry, Redis time
                                        ms (6 B each)
-``P:T:rid``                     HASH   replica id -> short numeric rid (1..16383)
-``P:T:rname``                   HASH   rid -> replica id
-``P:T:ridseq``                  STRING last rid allocated
-``P:T:ridfree``                 SET    rids released by departed replicas, reused first
-``P:T:seq``                     HASH   replica id -> last applied event sequence number
-``P:T:load``                    HASH   shared router load: ``replica NUL router id`` ->
+``Q:T:rid``                     HASH   replica id -> short numeric rid (1..4095)
+``Q:T:rname``                   HASH   rid -> replica id
+``Q:T:ridseq``                  STRING last rid allocated
+``Q:T:ridfree``                 SET    rids released by departed replicas, reused first
+``Q:T:seq``                     HASH   replica id -> last applied event sequence number
+``Q:T:load``                    HASH   shared router load: ``replica NUL router id`` ->
                                        ``<dddd`` in flight, queued tokens, expiry ms,
                                        oldest prefilling request's send time ms;
                                        ``NUL router id``: a reader's presence (zeros)
-``P:T:stats``                   HASH   per replica, from its events: ``n:<replica>`` ->
+``Q:T:stats``                   HASH   per replica, from its events: ``n:<replica>`` ->
                                        GPU blocks held now, ``s:<replica>`` -> GPU blocks
                                        stored ever (the router derives cache churn)
-``P:T:lookahead``               HASH   replica id -> tokens after each block its engine
+``Q:T:lookahead``               HASH   replica id -> tokens after each block its engine
                                        folds into the block's hash (vLLM 0.33; absent: 0)
-``P:T:plive``                   STRING set while any prediction may be live (expires
+``Q:T:plive``                   STRING set while any prediction may be live (expires
                                        with the longest); spares the tracker's writes
                                        the prediction check when there are none
-``P:T:fence:<election>``        STRING highest fencing number of a tracker of election
+``Q:T:fence:<election>``        STRING highest fencing number of a tracker of election
                                        ``N`` that wrote the partition; APPLY refuses
                                        lower ones of that election
 ``P:namespaces``                HASH   nsid -> JSON {model, block_size}
@@ -55,6 +59,7 @@ buckets by their key's top bits, engine hashes over ``ENGINE_BUCKETS`` buckets p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Final
 
 import xxhash
@@ -62,9 +67,13 @@ import xxhash
 from tracker.blocks import Namespace
 
 PREFIX: Final = "kvr:v1"
+PARTITION_PREFIX: Final = "kvr:v2"
 BLOCK_BUCKET_BITS: Final = 14
 ENGINE_BUCKETS: Final = 1024
-MAX_RID: Final = (1 << 14) - 1
+TIER_BITS: Final = 4
+"""Tiers a block may be in (bits of a block-bucket entry, counts of an engine-map value)."""
+MAX_RID: Final = (1 << (16 - TIER_BITS)) - 1
+ENGINE_VALUE_BYTES: Final = 8 + 2 * TIER_BITS
 
 REPLICAS: Final = f"{PREFIX}:{{replicas}}"
 REPLICAS_SEEN: Final = f"{PREFIX}:{{replicas}}:seen"
@@ -106,7 +115,7 @@ class NamespaceKeys:
 
     def __init__(self, namespace: Namespace) -> None:
         self.nsid = nsid(namespace)
-        self.tag = f"{PREFIX}:{{{self.nsid}}}"
+        self.tag = f"{PARTITION_PREFIX}:{{{self.nsid}}}"
         self.block_prefix = f"{self.tag}:b:"
         self.prediction_prefix = f"{self.tag}:p:"
         self.home_prefix = f"{self.tag}:h:"
@@ -164,6 +173,15 @@ def home_anchors(blocks: int) -> list[int]:
         position *= 2
     out.append(blocks - 1)
     return out
+
+
+def bucket_entries(value: bytes) -> Iterator[tuple[int, int]]:
+    """The ``(rid, tiers)`` entries of a block-bucket value (for operators' tools and tests;
+    the scripts in :mod:`tracker.lua` read them in Lua)."""
+    mask = (1 << TIER_BITS) - 1
+    for i in range(0, len(value) - 1, 2):
+        word = value[i] << 8 | value[i + 1]
+        yield word >> TIER_BITS, word & mask
 
 
 def field(key: int) -> bytes:

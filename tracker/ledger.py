@@ -17,13 +17,18 @@ from typing import Final
 
 from tracker.blocks import Namespace, block_keys, own_extra_keys
 from tracker.events import (
+    LOCALITIES,
+    LOCALITY_REMOTE,
+    MEDIUM_CPU,
     MEDIUM_GPU,
+    MEDIUM_STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Event,
     external_hash_u64,
 )
+from tracker.keys import ENGINE_VALUE_BYTES, TIER_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +36,48 @@ _FULL_ATTENTION_KINDS: Final = frozenset({"full_attention", "mla_attention", "si
 
 
 class Tier(enum.IntFlag):
-    """Where a replica holds a block: its GPU pool, or an offload medium (CPU, disk, ...)."""
+    """Where a replica holds a block, cheapest to reuse first: its GPU pool, the CPU memory
+    of its host, local storage, or a store reached over the network (vLLM's ``medium`` and
+    ``locality``). A block may be in several at once; its lowest bit is where it loads from."""
 
     GPU = 1
-    OFFLOAD = 2
+    CPU = 2
+    STORAGE = 4
+    REMOTE = 8
 
 
-def tier_of(medium: str | None) -> Tier:
-    """vLLM leaves ``medium`` unset before v0.10.2 and says ``"GPU"`` for its own pool."""
-    return Tier.GPU if medium is None or medium.upper() == MEDIUM_GPU else Tier.OFFLOAD
+TIERS: Final = (Tier.GPU, Tier.CPU, Tier.STORAGE, Tier.REMOTE)
+"""Every tier, in the order of the bits (and of :class:`EngineBlock`'s counts)."""
+assert len(TIERS) == TIER_BITS, "the Redis layout has a bit per tier"
+_TIER_SLOT: Final = {tier: i for i, tier in enumerate(TIERS)}
+KNOWN_MEDIUMS: Final = frozenset({MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE})
+
+
+def tier_of(medium: str | None, locality: str | None = None) -> Tier:
+    """The tier of a block event's ``medium`` and ``locality``.
+
+    vLLM leaves ``medium`` unset before v0.10.2 and says ``"GPU"`` for its own pool, ``"CPU"``
+    and (v0.26+) ``"STORAGE"`` for its offload tiers, whose ``locality`` may be ``"REMOTE"``
+    (a store other hosts share, e.g. a network file system). A medium this release does not
+    know counts as storage: the slowest local tier, so a hit there is never overrated.
+    """
+    if locality is not None and locality.upper() == LOCALITY_REMOTE:
+        return Tier.REMOTE
+    if medium is None:
+        return Tier.GPU
+    name = medium.upper()
+    if name == MEDIUM_GPU:
+        return Tier.GPU
+    if name.startswith(MEDIUM_CPU):  # "CPU", and "CPU_PINNED" of early connectors
+        return Tier.CPU
+    return Tier.STORAGE
+
+
+def _known(event: BlockStored | BlockRemoved) -> bool:
+    """Whether the event's medium and locality are ones vLLM documents (else it is counted)."""
+    medium = event.medium.upper() if event.medium is not None else MEDIUM_GPU
+    known = medium in KNOWN_MEDIUMS or medium.startswith(MEDIUM_CPU)
+    return known and (event.locality is None or event.locality.upper() in LOCALITIES)
 
 
 @dataclass(slots=True)
@@ -48,31 +86,52 @@ class EngineBlock:
 
     key: int
     gpu: int = 0
-    offload: int = 0
+    cpu: int = 0
+    storage: int = 0
+    remote: int = 0
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """References per tier, in :data:`TIERS` order."""
+        return self.gpu, self.cpu, self.storage, self.remote
 
     def add(self, tier: Tier, delta: int) -> None:
         if tier is Tier.GPU:
             self.gpu += delta
+        elif tier is Tier.CPU:
+            self.cpu += delta
+        elif tier is Tier.STORAGE:
+            self.storage += delta
         else:
-            self.offload += delta
+            self.remote += delta
 
     def count(self, tier: Tier) -> int:
-        return self.gpu if tier is Tier.GPU else self.offload
+        return self.counts()[_TIER_SLOT[tier]]
+
+    def held(self) -> bool:
+        return self.gpu > 0 or self.cpu > 0 or self.storage > 0 or self.remote > 0
 
     def pack(self) -> bytes:
-        return (
-            self.key.to_bytes(8, "big")
-            + min(self.gpu, 0xFFFF).to_bytes(2, "big")
-            + min(self.offload, 0xFFFF).to_bytes(2, "big")
-        )
+        """Block key (8 bytes) and references per tier (2 bytes each, saturating)."""
+        out = self.key.to_bytes(8, "big")
+        for count in self.counts():
+            out += min(count, 0xFFFF).to_bytes(2, "big")
+        return out
 
     @classmethod
     def unpack(cls, value: bytes) -> EngineBlock:
-        return cls(
-            int.from_bytes(value[:8], "big"),
-            int.from_bytes(value[8:10], "big"),
-            int.from_bytes(value[10:12], "big"),
-        )
+        if len(value) != ENGINE_VALUE_BYTES:
+            raise ValueError(f"an engine map value is {ENGINE_VALUE_BYTES} bytes, not {len(value)}")
+        counts = (int.from_bytes(value[i : i + 2], "big") for i in range(8, len(value), 2))
+        return cls(int.from_bytes(value[:8], "big"), *counts)
+
+
+def tiers_of(refs: list[int]) -> int:
+    """Bitmask of the tiers whose reference count is positive (plain int: per block event)."""
+    mask = 0
+    for bit, count in zip((1, 2, 4, 8), refs, strict=True):
+        if count > 0:
+            mask |= bit
+    return mask
 
 
 @dataclass(slots=True)
@@ -128,9 +187,7 @@ class ReplicaLedger:
     def tiers(self, key: int) -> int:
         """Bitmask of :class:`Tier` values (plain int: this runs once per block event)."""
         refs = self.refs.get(key)
-        if refs is None:
-            return 0
-        return (1 if refs[0] > 0 else 0) | (2 if refs[1] > 0 else 0)
+        return 0 if refs is None else tiers_of(refs)
 
     def placements(self) -> Iterator[tuple[int, int]]:
         """Every block the replica holds, with its tiers."""
@@ -144,9 +201,9 @@ class ReplicaLedger:
         self.orphans.clear()
         for engine_hash, block in entries:
             self.engine[engine_hash] = block
-            refs = self.refs.setdefault(block.key, [0, 0])
-            refs[0] += block.gpu
-            refs[1] += block.offload
+            refs = self.refs.setdefault(block.key, [0, 0, 0, 0])
+            for slot, count in enumerate(block.counts()):
+                refs[slot] += count
 
     def apply(self, events: Iterable[Event]) -> LedgerChanges:
         """Apply one batch's events in order and return what changed."""
@@ -186,20 +243,21 @@ class ReplicaLedger:
     def _touch(self, key: int, tier: Tier, delta: int, changes: LedgerChanges) -> None:
         refs = self.refs.get(key)
         if refs is None:
-            refs = self.refs[key] = [0, 0]
-        refs[0 if tier is Tier.GPU else 1] += delta
-        if refs[0] <= 0 and refs[1] <= 0:
+            refs = self.refs[key] = [0, 0, 0, 0]
+        refs[_TIER_SLOT[tier]] += delta
+        mask = tiers_of(refs)
+        if not mask:
             del self.refs[key]
-            changes.placements[key] = 0
-        else:
-            changes.placements[key] = (1 if refs[0] > 0 else 0) | (2 if refs[1] > 0 else 0)
+        changes.placements[key] = mask
 
     def _stored(self, event: BlockStored, changes: LedgerChanges) -> None:
         hashes = [external_hash_u64(h) for h in event.block_hashes]
         if not self._indexed_group(event.group_idx, event.kv_cache_spec_kind):
             changes.stats["skipped_group"] += len(hashes)
             return
-        tier = tier_of(event.medium)
+        if not _known(event):
+            changes.stats["unknown_medium"] += len(hashes)
+        tier = tier_of(event.medium, event.locality)
         if not event.token_ids:
             self._stored_tokenless(hashes, tier, changes)
             return
@@ -257,7 +315,7 @@ class ReplicaLedger:
             changes.stats["stored"] += 1
 
     def _drop(self, engine_hash: int, block: EngineBlock, changes: LedgerChanges) -> None:
-        for tier in (Tier.GPU, Tier.OFFLOAD):
+        for tier in TIERS:
             if block.count(tier):
                 self._touch(block.key, tier, -block.count(tier), changes)
         del self.engine[engine_hash]
@@ -267,7 +325,9 @@ class ReplicaLedger:
         if not self._indexed_group(event.group_idx, None):
             changes.stats["skipped_group"] += len(event.block_hashes)
             return
-        tier = tier_of(event.medium)
+        if not _known(event):
+            changes.stats["unknown_medium"] += len(event.block_hashes)
+        tier = tier_of(event.medium, event.locality)
         for raw in event.block_hashes:
             engine_hash = external_hash_u64(raw)
             block = self.engine.get(engine_hash)
@@ -286,7 +346,7 @@ class ReplicaLedger:
                 continue
             block.add(tier, -1)
             self._touch(block.key, tier, -1, changes)
-            if block.gpu <= 0 and block.offload <= 0:
+            if not block.held():
                 del self.engine[engine_hash]
                 changes.engine[engine_hash] = None
             else:

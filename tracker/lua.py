@@ -1,15 +1,16 @@
 """Server-side Redis scripts of the index; key layout as documented in :mod:`tracker.keys`.
 
-Block-bucket values are strings of 2-byte entries, one per replica: ``rid << 2 | tiers``
-(``tiers`` bit 0 = GPU, bit 1 = offload). Every key a call touches shares the hash tag of
-the keys it declares, so the scripts run unchanged on Redis Cluster.
+Block-bucket values are strings of 2-byte entries, one per replica: ``rid << 4 | tiers``
+(``tiers`` bits: GPU, CPU, storage, remote; :class:`tracker.ledger.Tier`). Every key a call
+touches shares the hash tag of the keys it declares, so the scripts run unchanged on Redis
+Cluster.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from tracker.keys import BLOCK_BUCKET_BITS
+from tracker.keys import BLOCK_BUCKET_BITS, ENGINE_BUCKETS, ENGINE_VALUE_BYTES, TIER_BITS
 
 # Bucket key names are derived here from the partition's key prefix (ARGV), so a call carries
 # a few large arguments instead of one per block (argument packing dominated client CPU).
@@ -28,16 +29,35 @@ local function block_bucket(prefix, f)
 end
 local function engine_bucket(prefix, f)
   local b7, b8 = string.byte(f, 7, 8)
-  return prefix .. (b7 % 4) .. hex[b8]
+  return prefix .. (b7 % """
+    + str(ENGINE_BUCKETS >> 8)
+    + """) .. hex[b8]
 end
 """
 )
+
+
+def _slot(tiers: int) -> int:
+    """A run's count (Lua index) that a block in ``tiers`` adds to: 2 + its best tier's bit."""
+    return 2 + (tiers & -tiers).bit_length() - 1
+
+
+# The entry layout of block buckets: rid in the high bits (R rids per high byte), tiers in the
+# low TIER_BITS (M values); engine-map values are E bytes; SLOT[tiers] is where a lookup run
+# counts a block (2 GPU, 3 CPU, 4 storage, 5 remote: the cheapest tier it is in).
+_LAYOUT: Final = (
+    f"local R, M, E = {1 << (8 - TIER_BITS)}, {1 << TIER_BITS}, {ENGINE_VALUE_BYTES}\n"
+    + "local SLOT = {"
+    + ", ".join(f"[{t}] = {_slot(t)}" for t in range(1, 1 << TIER_BITS))
+    + "}\n"
+)
+
 
 # KEYS: [seq hash, rid hash, rname hash, ridseq, free rid set, partition fence of the
 #        writer's election]
 # ARGV: [replica, seq ("" keep, "-" delete, else set), rid, key prefix with hash tag,
 #        placements: n x (8-byte block key .. 1-byte tiers),
-#        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. 12-byte value),
+#        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. 16-byte value),
 #        the writing tracker's fencing number (0: not elected, not fenced)]
 # Returns APPLY_OK; APPLY_RID_RESTORED when the rid mapping was missing and has been put back
 # (Redis lost its data: the caller must write the replica's whole state again); or
@@ -50,6 +70,7 @@ APPLY_RID_TAKEN: Final = -1
 APPLY_FENCED: Final = -2
 APPLY: Final = (
     _BUCKETS
+    + _LAYOUT
     + """
 local replica, seq, rid, tag = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local places, engine = ARGV[5], ARGV[6]
@@ -71,8 +92,8 @@ if owner ~= replica then
 end
 local bprefix, eprefix = tag .. ':b:', tag .. ':e:' .. rid .. ':'
 local pprefix = tag .. ':p:'
-local hi = math.floor(rid / 64)
-local lo = (rid % 64) * 4
+local hi = math.floor(rid / R)
+local lo = (rid % R) * M
 -- the engine's word on a block ends this replica's prediction of it (stored: superseded;
 -- removed: wrong from now on); checked only while some prediction may be live
 local live = redis.call('EXISTS', tag .. ':plive') == 1
@@ -89,10 +110,10 @@ for i = 1, #places - 8, 9 do
     local out = {}
     for j = 1, #v - 1, 2 do
       local b1, b2 = string.byte(v, j, j + 1)
-      if b1 ~= hi or b2 - (b2 % 4) ~= lo then
+      if b1 ~= hi or b2 - (b2 % M) ~= lo then
         out[#out + 1] = string.sub(v, j, j + 1)
       else
-        old = b2 % 4
+        old = b2 % M
       end
     end
     if tiers > 0 then out[#out + 1] = string.char(hi, lo + tiers) end
@@ -124,11 +145,11 @@ for i = 1, #places - 8, 9 do
 end
 if held ~= 0 then redis.call('HINCRBY', tag .. ':stats', 'n:' .. replica, held) end
 if stored > 0 then redis.call('HINCRBY', tag .. ':stats', 's:' .. replica, stored) end
-for i = 1, #engine - 20, 21 do
+for i = 1, #engine - E - 8, E + 9 do
   local f = string.sub(engine, i, i + 7)
   local key = engine_bucket(eprefix, f)
   if string.byte(engine, i + 8) == 1 then
-    redis.call('HSET', key, f, string.sub(engine, i + 9, i + 20))
+    redis.call('HSET', key, f, string.sub(engine, i + 9, i + 8 + E))
   else
     redis.call('HDEL', key, f)
   end
@@ -272,6 +293,7 @@ _HEAD_DIVISOR: Final = 1 << (16 - BLOCK_BUCKET_BITS)  # first key byte -> bucket
 assert 8 <= BLOCK_BUCKET_BITS <= 16, "bucket names split into a head and a one-byte tail"
 LOOKUP: Final = (
     _BUCKETS
+    + _LAYOUT
     + _PREDICTIONS
     + _LOAD_SNAPSHOT
     + f"local D = {_HEAD_DIVISOR}\n"
@@ -283,7 +305,7 @@ local i = 1
 local function settle()
   for _, a in ipairs(advanced) do
     a[1][1] = a[1][1] + pending
-    if a[2] then a[1][2] = a[1][2] + pending end
+    a[1][a[2]] = a[1][a[2]] + pending
   end
   depth = depth + pending
   pending = 0
@@ -291,7 +313,7 @@ end
 local function run_of(rid)
   local run = runs[rid]
   if not run and depth == 0 then
-    run = {0, 0, 0}
+    run = {0, 0, 0, 0, 0, 0}
     runs[rid] = run
     order[#order + 1] = rid
   end
@@ -316,9 +338,9 @@ while i <= last do
     local now = {}
     for j = 1, #v - 1, 2 do
       local b1, b2 = string.byte(v, j, j + 1)
-      local t = b2 % 4
-      local run = run_of(b1 * 64 + (b2 - t) / 4)
-      if run and run[1] == depth then now[#now + 1] = {run, t % 2 == 1} end
+      local t = b2 % M
+      local run = run_of(b1 * R + (b2 - t) / M)
+      if run and run[1] == depth then now[#now + 1] = {run, SLOT[t]} end
     end
     if #now == 0 then break end
     advanced, prev, pending = now, v, 1
@@ -334,11 +356,11 @@ while i <= #chain - 7 do
   if v then
     for j = 1, #v - 1, 2 do
       local b1, b2 = string.byte(v, j, j + 1)
-      local t = b2 % 4
-      local run = run_of(b1 * 64 + (b2 - t) / 4)
+      local t = b2 % M
+      local run = run_of(b1 * R + (b2 - t) / M)
       if run and run[1] == depth then
         run[1] = depth + 1
-        if t % 2 == 1 then run[2] = run[2] + 1 end
+        run[SLOT[t]] = run[SLOT[t]] + 1
         moved = true
       end
     end
@@ -353,7 +375,7 @@ while i <= #chain - 7 do
         if run and run[1] == depth then
           run[1] = depth + 1
           run[2] = run[2] + 1
-          run[3] = run[3] + 1
+          run[6] = run[6] + 1
           moved = true
         end
       end
@@ -399,9 +421,7 @@ local out = {}
 for k, rid in ipairs(order) do
   if names[k] and runs[rid][1] > 0 then
     out[#out + 1] = names[k]
-    out[#out + 1] = runs[rid][1]
-    out[#out + 1] = runs[rid][2]
-    out[#out + 1] = runs[rid][3]
+    for slot = 1, 6 do out[#out + 1] = runs[rid][slot] end
   end
 end
 return {out, stats, named, load, ahead}

@@ -38,8 +38,8 @@ from tracker.redis_client import RedisConnection, open_redis, redis_call
 logger = logging.getLogger(__name__)
 
 OPS_PER_CALL: Final = 8192
-_TIERS: Final = [bytes((t,)) for t in range(4)]
-_DELETE: Final = b"\x00" * 13
+_TIERS: Final = [bytes((t,)) for t in range(1 << schema.TIER_BITS)]
+_DELETE: Final = b"\x00" * (1 + schema.ENGINE_VALUE_BYTES)
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _record_decoder = msgspec.json.Decoder(ReplicaRecord)
 
@@ -492,9 +492,10 @@ class RedisIndex:
             call = self._lookup(keys=[nk.rname, nk.load], args=args)
         found, stats, homes, others, ahead = await self._call("lookup", call)
         matches: dict[str, Match] = {}
-        for i in range(0, len(found), 4):
+        for i in range(0, len(found), 7):  # name, blocks, GPU, CPU, storage, remote, predicted
             name = found[i].decode()
-            matches[name] = Match(name, int(found[i + 1]), int(found[i + 2]), int(found[i + 3]))
+            blocks, gpu, cpu, storage, remote, predicted = map(int, found[i + 1 : i + 7])
+            matches[name] = Match(name, blocks, gpu, predicted, cpu, storage, remote)
         counts: dict[str, list[int]] = {}
         for i in range(0, len(stats) - 1, 2):
             kind, _, name = stats[i].decode().partition(":")

@@ -28,7 +28,7 @@ from bench.procs import sentinel_primary_port, sentinel_view, sync_redis
 from bench.stack import LocalStack, StackConfig
 from tests.faults.workload import MODEL, Result, Workload
 from tracker.blocks import Namespace
-from tracker.keys import NamespaceKeys
+from tracker.keys import NamespaceKeys, bucket_entries
 
 ENGINES: Final = 4
 BLOCK_SIZE: Final = 16
@@ -276,8 +276,7 @@ class Drill:
                 pipe.hgetall(bucket)
             for mapping in pipe.execute():
                 for block, value in mapping.items():
-                    for j in range(0, len(value), 2):
-                        rid = value[j] << 6 | value[j + 1] >> 2
+                    for rid, _ in bucket_entries(value):
                         held.setdefault(rids.get(rid, f"rid-{rid}"), set()).add(
                             int.from_bytes(block, "big")
                         )

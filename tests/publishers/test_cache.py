@@ -171,3 +171,53 @@ def test_reset_prefix_cache_only_when_idle() -> None:
     assert pool.cached_blocks() == {}
     pool.get_new_blocks(8)
     assert removed(pool.take_events()) == []  # cleared blocks carry no hash any more
+
+
+def test_an_evicted_block_moves_to_the_cpu_tier_and_loads_back() -> None:
+    """The connector's events, in the order a consumer needs: the CPU copy is announced
+    before the GPU pool's removal (the tracker still knows the hash), and a prompt whose GPU
+    prefix ends where the CPU tier goes on loads those blocks, which the GPU pool caches."""
+    pool = BlockPool(6, B, offload_blocks=3)
+    kv = KVCacheManager(pool)
+    a = seq(list(range(16)))  # 4 blocks
+    admit(kv, "a", a)
+    kv.free("a")
+    pool.take_events()
+    taken = pool.get_new_blocks(4)  # 2 never-used blocks, then a's last two
+    events = pool.take_events()
+    cpu = [e for e in events if isinstance(e, BlockStored | BlockRemoved) and e.medium == "CPU"]
+    assert [(type(e).__name__, e.block_hashes) for e in events] == [
+        ("BlockStored", [external_hash(a.block_hashes[3])]),
+        ("BlockRemoved", [external_hash(a.block_hashes[3])]),
+        ("BlockStored", [external_hash(a.block_hashes[2])]),
+        ("BlockRemoved", [external_hash(a.block_hashes[2])]),
+    ]
+    assert [isinstance(e, BlockStored) for e in cpu] == [True, True]
+    assert all(e.token_ids == [] and e.block_size == 0 for e in stored(cpu))
+    pool.free_blocks(taken)
+    b = seq([*range(16), 99])
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 2
+    assert kv.offloaded_blocks(b, len(hits)) == 2  # blocks 2 and 3 load from the CPU tier
+    computed = (len(hits) + 2) * B
+    assert kv.allocate_slots("b", b, b.num_tokens - computed, computed, hits)
+    gpu = stored(pool.take_events())
+    assert [e.block_hashes for e in gpu if e.medium == "GPU"] == [
+        [external_hash(d) for d in a.block_hashes[2:4]]
+    ]
+
+
+def test_the_cpu_tier_drops_its_least_recently_used_block() -> None:
+    pool = BlockPool(2, B, offload_blocks=2)
+    kv = KVCacheManager(pool)
+    for rid, first in (("a", 0), ("b", 100), ("c", 200)):
+        admit(kv, rid, seq(list(range(first, first + 8))))
+        kv.free(rid)
+    assert pool.offload is not None and len(pool.offload) == 2
+    dropped = [e for e in pool.take_events() if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+    first_a = seq(list(range(8))).block_hashes
+    assert [e.block_hashes for e in dropped] == [
+        [external_hash(first_a[1])],
+        [external_hash(first_a[0])],
+    ]
+    assert pool.reset_prefix_cache() and len(pool.offload) == 0

@@ -272,6 +272,8 @@ STATES = st.builds(
     engine_running=st.none() | st.integers(0, 300),
     kv_usage=st.none() | st.floats(0.0, 1.0),
     speed=st.builds(SpeedEstimate, st.floats(0.0, 500.0), st.floats(0.001, 2.0)),
+    matched_storage_blocks=st.integers(0, 600),
+    matched_remote_blocks=st.integers(0, 600),
 )
 
 
@@ -286,30 +288,71 @@ def test_score_invariants(prompt: int, state: ReplicaState, block: int) -> None:
     assert score.queue_ms >= 0 and score.prefill_ms >= state.speed.floor_ms
     assert score.expected_ttft_ms == pytest.approx(score.queue_ms + score.prefill_ms)
     # more GPU-cached blocks never make it slower; more queued work never makes it faster
-    better = ReplicaState(
-        state.id,
-        state.matched_blocks + 1,
-        state.matched_gpu_blocks + 1,
-        state.inflight,
-        state.queued_prefill_tokens,
-        state.engine_waiting,
-        state.engine_running,
-        state.kv_usage,
-        state.speed,
+    better = replace(
+        state,
+        matched_blocks=state.matched_blocks + 1,
+        matched_gpu_blocks=state.matched_gpu_blocks + 1,
     )
     assert score_replica(prompt, better, config).expected_ttft_ms <= score.expected_ttft_ms + 1e-9
-    busier = ReplicaState(
-        state.id,
-        state.matched_blocks,
-        state.matched_gpu_blocks,
-        state.inflight,
-        state.queued_prefill_tokens + 100,
-        state.engine_waiting,
-        state.engine_running,
-        state.kv_usage,
-        state.speed,
-    )
+    busier = replace(state, queued_prefill_tokens=state.queued_prefill_tokens + 100)
     assert score_replica(prompt, busier, config).expected_ttft_ms > score.expected_ttft_ms
+    # a block that loads from a faster tier never makes it slower
+    faster = replace(state, matched_remote_blocks=max(0, state.matched_remote_blocks - 1))
+    assert score_replica(prompt, faster, config).expected_ttft_ms <= score.expected_ttft_ms + 1e-9
+    assert 0 <= score.loading_tokens <= score.offload_cached_tokens
+
+
+@pytest.mark.parametrize(
+    ("tiers", "loading"),
+    [
+        pytest.param({}, 0.3 * 64, id="cpu"),
+        pytest.param({"matched_storage_blocks": 4}, 0.75 * 64, id="storage"),
+        pytest.param({"matched_remote_blocks": 4}, 0.9 * 64, id="remote"),
+        pytest.param(
+            {"matched_storage_blocks": 1, "matched_remote_blocks": 1},
+            (2 * 0.3 + 0.75 + 0.9) * 16,
+            id="mix",
+        ),
+    ],
+)
+def test_each_offload_tier_costs_its_own_share_of_a_recompute(
+    tiers: dict[str, int], loading: float
+) -> None:
+    """Four blocks of 16 tokens past the GPU-cached ones: loading them costs each tier's share
+    of recomputing them (CPU 0.3, storage 0.75, remote 0.9 by default)."""
+    config = PolicyConfig(block_size=16)
+    state = ReplicaState("a", matched_blocks=8, matched_gpu_blocks=4, **tiers)
+    score = score_replica(16 * 10, state, config)
+    assert score.gpu_cached_tokens == 64 and score.offload_cached_tokens == 64
+    assert score.loading_tokens == pytest.approx(loading)
+    assert score.prefill_ms == pytest.approx(DEFAULT_SPEED.prefill_ms(32 + loading))
+
+
+def test_a_prompt_shorter_than_the_run_drops_its_slowest_tier_first() -> None:
+    """The last block is recomputed (vLLM keeps at least one token to prefill), and the run's
+    tail is its remote part: the CPU and storage blocks before it still load."""
+    config = PolicyConfig(block_size=16)
+    state = ReplicaState(
+        "a",
+        matched_blocks=4,
+        matched_gpu_blocks=1,
+        matched_storage_blocks=1,
+        matched_remote_blocks=1,
+    )
+    score = score_replica(16 * 4, state, config)
+    assert score.matched_tokens == 48
+    assert score.loading_tokens == pytest.approx((0.3 + 0.75) * 16)
+
+
+def test_an_engine_holding_the_prompt_in_cpu_memory_beats_one_holding_it_remotely() -> None:
+    config = PolicyConfig(block_size=16)
+    cpu = ReplicaState("cpu", matched_blocks=300, matched_gpu_blocks=0)
+    remote = ReplicaState("remote", matched_blocks=300, matched_remote_blocks=300)
+    cold = ReplicaState("cold")
+    decision = decide(16 * 310, [remote, cold, cpu], config, random.Random(0))
+    assert decision.replica == "cpu"
+    ranked = sorted(decision.scores, key=lambda s: -s.score)
+    assert [s.replica for s in ranked] == ["cpu", "remote", "cold"]
 
 
 @given(

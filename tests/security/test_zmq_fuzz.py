@@ -55,7 +55,7 @@ def snapshot(index: MemoryIndex) -> tuple[Any, ...]:
     }
     ledgers = {
         owner: (
-            {h: (b.key, b.gpu, b.offload) for h, b in ledger.engine.items()},
+            {h: (b.key, *b.counts()) for h, b in ledger.engine.items()},
             {key: tuple(refs) for key, refs in ledger.refs.items()},
             dict(ledger.orphans),
         )
@@ -154,9 +154,9 @@ async def _assert_same_index(redis_url: str, reference: MemoryIndex, replicas: l
         for replica in replicas:
             expected = reference._ledgers.get((replica, NS))
             restored = await fresh._ledger(replica, NS)  # rebuilt from Redis' engine map
-            engine = {h: (b.key, b.gpu, b.offload) for h, b in restored.engine.items()}
+            engine = {h: (b.key, *b.counts()) for h, b in restored.engine.items()}
             wanted = expected.engine if expected is not None else {}
-            assert engine == {h: (b.key, b.gpu, b.offload) for h, b in wanted.items()}, replica
+            assert engine == {h: (b.key, *b.counts()) for h, b in wanted.items()}, replica
             assert await fresh.block_count(replica, NS) == await reference.block_count(replica, NS)
             assert await fresh.last_seq(replica, NS) == await reference.last_seq(replica, NS)
         for key, holders in table.items():

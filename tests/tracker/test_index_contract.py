@@ -73,14 +73,19 @@ def store(
     )
 
 
-def offload(tokens: list[int], *blocks: int) -> BlockStored:
-    """Tokenless CPU BlockStored with digest-bytes hashes, as vLLM's offload connector sends."""
+def offload(
+    tokens: list[int], *blocks: int, medium: str = "CPU", locality: str | None = None
+) -> BlockStored:
+    """Tokenless offload BlockStored with digest-bytes hashes, as vLLM's offload connector
+    sends (a placeholder of its tier: no tokens, block size 0)."""
     digests = [b"\xee" * 24 + engine_hash(tokens, b).to_bytes(8, "big") for b in blocks]
-    return BlockStored(digests, None, [], 0, medium="CPU")
+    return BlockStored(digests, None, [], 0, medium=medium, locality=locality)
 
 
-def remove(tokens: list[int], *blocks: int, medium: str = "GPU") -> BlockRemoved:
-    return BlockRemoved([engine_hash(tokens, b) for b in blocks], medium)
+def remove(
+    tokens: list[int], *blocks: int, medium: str = "GPU", locality: str | None = None
+) -> BlockRemoved:
+    return BlockRemoved([engine_hash(tokens, b) for b in blocks], medium, locality=locality)
 
 
 def batch(*events: Event) -> EventBatch:
@@ -164,6 +169,44 @@ async def test_gpu_and_offload_tiers(index: BlockIndex) -> None:
     )
     assert await matches(index, SEQ) == {"r1": (1, 0)}
     assert await index.block_count("r1", NS) == 2
+
+
+async def tiers(index: BlockIndex, tokens: list[int]) -> dict[str, tuple[int, ...]]:
+    """Per replica: blocks of its run, then how many of them load from GPU, CPU, storage
+    and a remote store (each from the cheapest tier holding it)."""
+    found = await index.lookup(NS, block_keys(tokens, NS))
+    for m in found.values():
+        assert m.gpu_blocks + m.cpu_blocks + m.storage_blocks + m.remote_blocks == m.blocks
+    return {
+        r: (m.blocks, m.gpu_blocks, m.cpu_blocks, m.storage_blocks, m.remote_blocks)
+        for r, m in found.items()
+    }
+
+
+async def test_each_offload_tier_is_its_own_in_lookups(index: BlockIndex) -> None:
+    """vLLM >= 0.26 names CPU and STORAGE tiers and a REMOTE locality; a run counts each
+    block in the cheapest tier holding it, also where runs of two replicas go in step."""
+    for replica in ("r1", "r2"):
+        await put(
+            index,
+            replica,
+            store(SEQ),
+            offload(SEQ, 0, 1, 2, 3),
+            offload(SEQ, 1, 2, 3, medium="STORAGE"),
+            offload(SEQ, 2, 3, medium="STORAGE", locality="REMOTE"),
+        )
+    assert await tiers(index, SEQ) == {"r1": (4, 4, 0, 0, 0), "r2": (4, 4, 0, 0, 0)}
+    await put(index, "r1", remove(SEQ, 0, 1, 2, 3))  # the GPU pool evicted them all
+    assert await tiers(index, SEQ) == {"r1": (4, 0, 4, 0, 0), "r2": (4, 4, 0, 0, 0)}
+    await put(index, "r1", remove(SEQ, 1, 2, 3, medium="CPU"))
+    assert (await tiers(index, SEQ))["r1"] == (4, 0, 1, 3, 0)
+    await put(index, "r1", remove(SEQ, 2, 3, medium="STORAGE"))
+    assert (await tiers(index, SEQ))["r1"] == (4, 0, 1, 1, 2)
+    await put(index, "r2", remove(SEQ, 3), remove(SEQ, 3, medium="CPU"))
+    assert (await tiers(index, SEQ))["r2"] == (4, 3, 0, 1, 0)
+    await put(index, "r1", remove(SEQ, 2, medium="STORAGE", locality="REMOTE"))
+    assert (await tiers(index, SEQ))["r1"] == (2, 0, 1, 1, 0)  # the chain breaks at block 2
+    assert await index.block_count("r1", NS) == 3
 
 
 async def test_lora_namespaces_are_isolated(index: BlockIndex) -> None:

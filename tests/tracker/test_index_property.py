@@ -52,15 +52,26 @@ class Store:
     count: int
 
 
+# A tier as the model names it -> vLLM's (medium, locality) for it.
+WIRE: dict[str, tuple[str, str | None]] = {
+    "GPU": ("GPU", None),
+    "CPU": ("CPU", "LOCAL"),
+    "STORAGE": ("STORAGE", None),
+    "REMOTE": ("STORAGE", "REMOTE"),
+}
+SLOTS = list(WIRE)
+
+
 @dataclass(frozen=True)
 class Offload:
     prefix: Prefix
+    tier: str = "CPU"
 
 
 @dataclass(frozen=True)
 class Remove:
     prefix: Prefix
-    medium: str
+    medium: str  # a key of WIRE
 
 
 @dataclass(frozen=True)
@@ -109,9 +120,9 @@ def _scenarios(draw: st.DrawFn) -> list[Step]:
                 known = touched[replica]
                 prefix = draw(st.sampled_from(known) if known and draw(st.booleans()) else _prefix)
                 if kind == "offload":
-                    ops.append(Offload(prefix))
+                    ops.append(Offload(prefix, draw(st.sampled_from(SLOTS[1:]))))
                 else:
-                    ops.append(Remove(prefix, draw(st.sampled_from(["GPU", "GPU", "CPU"]))))
+                    ops.append(Remove(prefix, draw(st.sampled_from(["GPU", *SLOTS]))))
         steps.append(Step(replica, ops, draw(st.integers(0, 9)) == 0))
     return steps
 
@@ -129,9 +140,11 @@ def to_event(op: Any) -> Event:
         )
     if isinstance(op, Offload):
         digest = b"\x5a" * 8 + engine_hash(op.prefix).to_bytes(8, "big")
-        return BlockStored([digest], None, [], 0, medium="CPU")
+        medium, locality = WIRE[op.tier]
+        return BlockStored([digest], None, [], 0, medium=medium, locality=locality)
     if isinstance(op, Remove):
-        return BlockRemoved([engine_hash(op.prefix)], op.medium)
+        medium, locality = WIRE[op.medium]
+        return BlockRemoved([engine_hash(op.prefix)], medium, locality=locality)
     return AllBlocksCleared()
 
 
@@ -150,29 +163,31 @@ class Model:
             if op.start and op.sequence[: op.start] not in copies:
                 return  # orphan: the parent is unknown, nothing is indexed
             for b in range(op.start, op.start + op.count):
-                copies.setdefault(op.sequence[: b + 1], [0, 0])[0] += 1
+                copies.setdefault(op.sequence[: b + 1], [0, 0, 0, 0])[0] += 1
         elif isinstance(op, Offload):
             if op.prefix in copies:
-                copies[op.prefix][1] += 1
+                copies[op.prefix][SLOTS.index(op.tier)] += 1
         elif isinstance(op, Remove):
-            tier = 0 if op.medium == "GPU" else 1
+            tier = SLOTS.index(op.medium)
             counts = copies.get(op.prefix)
             if counts is not None and counts[tier] > 0:
                 counts[tier] -= 1
-                if counts == [0, 0]:
+                if counts == [0, 0, 0, 0]:
                     del copies[op.prefix]
         else:
             copies.clear()
 
-    def lookup(self, sequence: Prefix) -> dict[str, tuple[int, int]]:
+    def lookup(self, sequence: Prefix) -> dict[str, tuple[int, ...]]:
+        """Per replica: its run, then its blocks by the cheapest tier holding each."""
         out = {}
         for replica, copies in self.held.items():
-            run = gpu = 0
+            run, best = 0, [0, 0, 0, 0]
             while run < len(sequence) and sequence[: run + 1] in copies:
-                gpu += copies[sequence[: run + 1]][0] > 0
+                counts = copies[sequence[: run + 1]]
+                best[next(i for i, n in enumerate(counts) if n > 0)] += 1
                 run += 1
             if run:
-                out[replica] = (run, gpu)
+                out[replica] = (run, *best)
         return out
 
 
@@ -194,7 +209,10 @@ async def check(index: BlockIndex, steps: list[Step]) -> None:
         await index.apply(step.replica, NS, EventBatch(1.0, events, 0), seq)
     for sequence in sorted(queries):
         found = await index.lookup(NS, block_keys(flat(sequence), NS))
-        got = {r: (m.blocks, m.gpu_blocks) for r, m in found.items()}
+        got = {
+            r: (m.blocks, m.gpu_blocks, m.cpu_blocks, m.storage_blocks, m.remote_blocks)
+            for r, m in found.items()
+        }
         assert got == model.lookup(sequence), sequence
     for replica in REPLICAS:
         assert await index.block_count(replica, NS) == len(model.held[replica])
@@ -235,12 +253,15 @@ def test_model_sanity() -> None:
     model.apply("r0", Store(seq, 0, 2))
     model.apply("r0", Store(seq, 0, 1))
     model.apply("r0", Remove(seq[:1], "GPU"))
-    assert model.lookup(seq) == {"r0": (2, 2)}
+    assert model.lookup(seq) == {"r0": (2, 2, 0, 0, 0)}
     model.apply("r0", Offload(seq[:1]))
+    model.apply("r0", Offload(seq[:1], "REMOTE"))
     model.apply("r0", Remove(seq[:1], "GPU"))
-    assert model.lookup(seq) == {"r0": (2, 1)}
+    assert model.lookup(seq) == {"r0": (2, 1, 1, 0, 0)}
     model.apply("r0", Remove(seq[1:], "CPU"))
-    assert model.lookup(seq) == {"r0": (2, 1)}
+    assert model.lookup(seq) == {"r0": (2, 1, 1, 0, 0)}
+    model.apply("r0", Remove(seq[:1], "CPU"))
+    assert model.lookup(seq) == {"r0": (2, 1, 0, 0, 1)}
 
 
 async def test_hand_picked_scenario() -> None:
@@ -249,6 +270,7 @@ async def test_hand_picked_scenario() -> None:
         Step("r0", [Store(seq, 0, 3), Remove(seq[:2], "GPU")]),
         Step("r1", [Store(seq, 0, 1)]),
         Step("r1", [Offload(seq[:1]), Remove(seq[:1], "GPU")]),
+        Step("r1", [Offload(seq[:1], "STORAGE"), Remove(seq[:1], "CPU")]),
         Step("r2", [Store(seq, 1, 2)]),
         Step("r0", [Store(seq, 0, 1)], clear_first=True),
         Step("r2", [Store(seq, 0, 3), Cleared(), Store(seq, 0, 2)]),

@@ -13,7 +13,8 @@ from tracker.ledger import EngineBlock, ReplicaLedger, Tier, tier_of
 NS = Namespace("m", 2)
 TOKENS = [10, 11, 20, 21, 30, 31, 40, 41]
 KEYS = block_keys(TOKENS, NS)
-GPU, OFF = int(Tier.GPU), int(Tier.OFFLOAD)
+GPU, OFF = int(Tier.GPU), int(Tier.CPU)
+STORAGE, REMOTE = int(Tier.STORAGE), int(Tier.REMOTE)
 
 
 def stored(hashes: list[Any], tokens: list[int], parent: Any = None, **fields: Any) -> BlockStored:
@@ -21,8 +22,10 @@ def stored(hashes: list[Any], tokens: list[int], parent: Any = None, **fields: A
     return BlockStored(hashes, parent, tokens, **fields)
 
 
-def removed(*hashes: Any, medium: str | None = "GPU", group_idx: int | None = None) -> BlockRemoved:
-    return BlockRemoved(list(hashes), medium, group_idx)
+def removed(
+    *hashes: Any, medium: str | None = "GPU", group_idx: int | None = None, **fields: Any
+) -> BlockRemoved:
+    return BlockRemoved(list(hashes), medium, group_idx, **fields)
 
 
 def ledger_with(*events: Event) -> ReplicaLedger:
@@ -103,7 +106,7 @@ def test_tokenless_cpu_store_adds_offload_tier_to_known_gpu_block() -> None:
     changes = ledger.apply([stored([digest], [], block_size=0, medium="CPU")])
     assert changes.placements == {KEYS[0]: GPU | OFF}
     assert changes.stats == {"stored": 1}
-    assert ledger.engine[1234].offload == 1
+    assert ledger.engine[1234].cpu == 1
     # GPU eviction leaves the CPU copy; the CPU removal (bytes again) forgets the block.
     assert ledger.apply([removed(1234)]).placements == {KEYS[0]: OFF}
     changes = ledger.apply([removed(digest, medium="CPU")])
@@ -249,14 +252,53 @@ def test_unknown_events_are_counted() -> None:
         (None, Tier.GPU),
         ("GPU", Tier.GPU),
         ("gpu", Tier.GPU),
-        ("CPU", Tier.OFFLOAD),
-        ("cpu", Tier.OFFLOAD),
-        ("CPU_PINNED", Tier.OFFLOAD),
-        ("FS", Tier.OFFLOAD),
+        ("CPU", Tier.CPU),
+        ("cpu", Tier.CPU),
+        ("CPU_PINNED", Tier.CPU),
+        ("STORAGE", Tier.STORAGE),
+        ("FS", Tier.STORAGE),  # a medium vLLM does not name: the slowest local tier
     ],
 )
 def test_tier_of_medium(medium: str | None, tier: Tier) -> None:
     assert tier_of(medium) is tier
+    assert tier_of(medium, "LOCAL") is tier
+    assert tier_of(medium, "REMOTE") is Tier.REMOTE
+
+
+def test_every_tier_is_counted_apart_and_a_block_loads_from_its_cheapest() -> None:
+    """vLLM's offloading connector stores a GPU block's copy in each of its tiers (tokenless
+    events naming the medium, ``locality`` and the tier's ``ownership``) and removes each
+    copy alone; the block stays placed while any tier holds it."""
+    ledger = ledger_with(stored([1], TOKENS[:2]))
+    tiers = {"medium": "STORAGE", "locality": "LOCAL", "ownership": "tier-2"}
+    remote = {"medium": "STORAGE", "locality": "REMOTE", "ownership": "tier-3"}
+    ledger.apply(
+        [
+            stored([1], [], block_size=0, medium="CPU", locality="LOCAL"),
+            stored([1], [], block_size=0, **tiers),
+            stored([1], [], block_size=0, **remote),
+        ]
+    )
+    assert held(ledger) == {KEYS[0]: GPU | OFF | STORAGE | REMOTE}
+    assert ledger.engine[1] == EngineBlock(KEYS[0], gpu=1, cpu=1, storage=1, remote=1)
+    steps = [
+        (removed(1), OFF | STORAGE | REMOTE),
+        (removed(1, medium="CPU", locality="LOCAL"), STORAGE | REMOTE),
+        (removed(1, **remote), STORAGE),
+        (removed(1, medium="STORAGE", locality="LOCAL"), 0),
+    ]
+    for event, left in steps:
+        assert ledger.apply([event]).placements == {KEYS[0]: left}
+    assert not ledger.engine
+
+
+def test_a_medium_or_locality_vllm_does_not_name_is_counted_and_placed_as_storage() -> None:
+    ledger = ledger_with(stored([1], TOKENS[:2]))
+    changes = ledger.apply([stored([1], [], block_size=0, medium="NVME")])
+    assert changes.stats == {"unknown_medium": 1, "stored": 1}
+    assert held(ledger) == {KEYS[0]: GPU | STORAGE}
+    changes = ledger.apply([removed(1, medium="CPU", locality="MARS")])
+    assert changes.stats == {"unknown_medium": 1, "unbalanced_remove": 1}
 
 
 def test_load_round_trip_from_engine_blocks() -> None:
@@ -289,16 +331,25 @@ def test_load_replaces_previous_state() -> None:
 
 @pytest.mark.parametrize(
     "block",
-    [EngineBlock(0), EngineBlock((1 << 64) - 1, 3, 0xFFFF), EngineBlock(12345, 1, 2)],
+    [
+        EngineBlock(0),
+        EngineBlock((1 << 64) - 1, 3, 0xFFFF, 7, 0xFFFE),
+        EngineBlock(12345, 1, 2, 3, 4),
+    ],
 )
 def test_engine_block_pack_round_trip(block: EngineBlock) -> None:
     packed = block.pack()
-    assert len(packed) == 12
+    assert len(packed) == 16
     assert EngineBlock.unpack(packed) == block
 
 
 def test_engine_block_pack_clamps_huge_ref_counts() -> None:
     assert EngineBlock.unpack(EngineBlock(1, 70000, 0).pack()) == EngineBlock(1, 0xFFFF, 0)
+
+
+def test_engine_block_of_another_layout_is_refused() -> None:
+    with pytest.raises(ValueError, match="16 bytes, not 12"):
+        EngineBlock.unpack(bytes(12))
 
 
 def test_lookahead_tokens_feed_the_block_keys_as_the_router_computes_them() -> None:

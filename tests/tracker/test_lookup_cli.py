@@ -67,7 +67,11 @@ def expected(**replicas: tuple[int, int]) -> dict[str, Any]:
             "matched_blocks": blocks,
             "matched_tokens": blocks * NS.block_size,
             "gpu_blocks": gpu,
+            "cpu_blocks": blocks - gpu,
+            "storage_blocks": 0,
+            "remote_blocks": 0,
             "offload_blocks": blocks - gpu,
+            "tier": "gpu" if gpu == blocks else "cpu" if gpu == 0 else "mixed",
         }
         for r, (blocks, gpu) in replicas.items()
     }

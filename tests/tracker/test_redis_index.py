@@ -92,6 +92,31 @@ async def index_factory(redis_url: str) -> AsyncIterator[Callable[..., RedisInde
         await index.close()
 
 
+# ------------------------------------------------------------------ layout
+
+
+async def test_bucket_entries_hold_each_replicas_rid_and_tiers(
+    index_factory: Any, redis_url: str
+) -> None:
+    """A block bucket's value is ``rid << 4 | tiers`` per replica (layout v2, the partition's
+    key prefix says so), as ``tracker.keys.bucket_entries`` reads it; a restored engine map
+    keeps every tier's references."""
+    index = index_factory()
+    await index.apply("r1", NS, batch(store(SEQ), offload(SEQ, 0)), 1)
+    await index.apply("r2", NS, batch(store(SEQ)), 1)
+    await index.apply("r2", NS, batch(remove(SEQ, 0)), 2)
+    nk = schema.NamespaceKeys(NS)
+    assert nk.block_prefix.startswith(f"{schema.PARTITION_PREFIX}:{{")
+    first = block_keys(SEQ, NS)[0]
+    with redis.Redis.from_url(redis_url) as client:
+        value = client.hget(nk.block_bucket(first), schema.field(first))
+    rids = {await index.rid(r, NS): r for r in ("r1", "r2")}
+    assert {rids[rid]: tiers for rid, tiers in schema.bucket_entries(value)} == {"r1": 0b11}
+    restarted = index_factory()
+    await restarted.apply("r1", NS, batch(remove(SEQ, 0)), 2)  # its ledger restored first
+    assert await matches(restarted, SEQ) == {"r1": (4, 3)}  # r2 lost block 0: no run
+
+
 # ------------------------------------------------------------------ tracker restart
 
 
