@@ -88,6 +88,29 @@ def load_sums(reply: Sequence[Any]) -> dict[str, tuple[int, int, int]]:
     }
 
 
+def _touched_by_apply(
+    nk: schema.NamespaceKeys,
+    rid: int,
+    placements: Sequence[tuple[int, int]],
+    engine: Sequence[tuple[int, EngineBlock | None]],
+) -> list[str]:
+    """Every key an ``APPLY`` call may touch besides the six it names, for a cluster.
+
+    Declared, they make a slot migration refuse the whole call (``TRYAGAIN``, ``ASK``) while
+    any of them is elsewhere. Undeclared, a call that Redis sent on to the importing master
+    (all six named keys moved, the buckets not yet) ran there against empty buckets: a
+    removal found nothing to remove and the source's bucket, moved later, brought the block
+    back (tests/tracker/test_redis_cluster.py); and a call that stopped halfway on a
+    moved key left its held-blocks count short.
+    """
+    touched = {nk.stats, nk.plive}
+    for key, _ in placements:
+        touched.add(nk.block_bucket(key))
+        touched.add(nk.prediction_bucket(key))
+    touched.update(nk.engine_bucket(rid, engine_hash) for engine_hash, _ in engine)
+    return sorted(touched)
+
+
 def _chain(keys: Sequence[int]) -> bytes:
     """Block keys as one blob of 8-byte big-endian fields (one script argument)."""
     chain = array("Q", keys)
@@ -120,6 +143,8 @@ class RedisIndex:
 
     def __init__(self, client: redis.Redis, connection: RedisConnection | None = None) -> None:
         self.client = client
+        # on a cluster every key a writing script touches is declared (_touched_by_*)
+        self._cluster = isinstance(client, RedisCluster)
         self._connection = connection or RedisConnection(client)
         self._server: str | None = None  # run_id of the server the ledgers were last written to
         self._raise_fence = client.register_script(lua.FENCE_RAISE)
@@ -253,8 +278,12 @@ class RedisIndex:
         engine = list(pending.changes.engine.items())
         calls = max(1, -(-max(len(placements), len(engine)) // OPS_PER_CALL))
         batches: list[list[Any]] = []
+        declared: list[list[str]] = []
         for call in range(calls):
             window = slice(call * OPS_PER_CALL, (call + 1) * OPS_PER_CALL)
+            declared.append(keys)
+            if self._cluster:
+                declared[-1] = keys + _touched_by_apply(nk, rid, placements[window], engine[window])
             batches.append(
                 [
                     replica,
@@ -270,10 +299,10 @@ class RedisIndex:
                 ]
             )
         if len(batches) == 1:
-            return [await self._call("apply", self._apply(keys=keys, args=batches[0]))]
+            return [await self._call("apply", self._apply(keys=declared[0], args=batches[0]))]
         async with self.client.pipeline(transaction=True) as pipe:
-            for args in batches:
-                await self._apply(keys=keys, args=args, client=pipe)
+            for call_keys, args in zip(declared, batches, strict=True):
+                await self._apply(keys=call_keys, args=args, client=pipe)
             return list(await self._call("apply", pipe.execute()))
 
     async def _resync(
@@ -520,7 +549,8 @@ class RedisIndex:
     ) -> None:
         if not anchors:
             return
-        tag = self.keys_for(namespace).tag
+        nk = self.keys_for(namespace)
+        tag = nk.tag
         await self._as_replica(
             "claim",
             namespace,
@@ -528,6 +558,7 @@ class RedisIndex:
             lambda rid, rname: self._claim(
                 keys=rname, args=[tag, rid, _ms(ttl_s), _chain(anchors), replica]
             ),
+            self._touched_by_routing(nk, (), anchors),
         )
 
     async def route(
@@ -544,13 +575,15 @@ class RedisIndex:
             await self.predict(namespace, replica, keys, ttl_s)
             await self.claim(namespace, replica, anchors, home_ttl_s)
             return
-        tag = self.keys_for(namespace).tag
+        nk = self.keys_for(namespace)
+        tag = nk.tag
         args: list[bytes | int] = [_ms(ttl_s), _chain(keys), _ms(home_ttl_s), _chain(anchors)]
         await self._as_replica(
             "route",
             namespace,
             replica,
             lambda rid, rname: self._route(keys=rname, args=[tag, rid, replica, *args]),
+            self._touched_by_routing(nk, keys, anchors),
         )
 
     async def predict(
@@ -558,7 +591,8 @@ class RedisIndex:
     ) -> None:
         if not keys:
             return
-        tag = self.keys_for(namespace).tag
+        nk = self.keys_for(namespace)
+        tag = nk.tag
         await self._as_replica(
             "predict",
             namespace,
@@ -566,7 +600,21 @@ class RedisIndex:
             lambda rid, rname: self._predict(
                 keys=rname, args=[tag, rid, _ms(ttl_s), _chain(keys), replica]
             ),
+            self._touched_by_routing(nk, keys, ()),
         )
+
+    def _touched_by_routing(
+        self, nk: schema.NamespaceKeys, keys: Sequence[int], anchors: Sequence[int]
+    ) -> list[str]:
+        """On a cluster, the keys a routing write touches besides the rname hash: prediction
+        buckets (and the live marker) of ``keys``, home buckets of ``anchors``."""
+        if not self._cluster:
+            return []
+        touched = {nk.prediction_bucket(key) for key in keys}
+        if keys:
+            touched.add(nk.plive)
+        touched.update(nk.home_bucket(key) for key in anchors)
+        return sorted(touched)
 
     async def _as_replica(
         self,
@@ -574,13 +622,14 @@ class RedisIndex:
         namespace: Namespace,
         replica: str,
         script: Callable[[int, list[str]], Awaitable[Any]],
+        touched: list[str],
     ) -> None:
-        """Run a router's write ``script(rid, [rname hash])`` under the replica's rid; the
-        script answers -1, writing nothing, when the rid no longer names that replica (Redis
-        lost data, or the rid was released and reused): then allocate (or look up) the
+        """Run a router's write ``script(rid, [rname hash, *touched])`` under the replica's
+        rid; the script answers -1, writing nothing, when the rid no longer names that replica
+        (Redis lost data, or the rid was released and reused): then allocate (or look up) the
         current one and try once more."""
         base = namespace.base()
-        rname = [self.keys_for(namespace).rname]
+        rname = [self.keys_for(namespace).rname, *touched]
         for _ in range(2):
             rid = await self.rid(replica, base)
             if int(await self._call(what, script(rid, rname))) >= 0:

@@ -1,11 +1,12 @@
 """kvrouter on a real Redis Cluster (3 masters, 3 replicas, started by the fixture):
 every index operation, partitions spread over masters, the routers' shared load, the
-tracker election, a master failover reconciled, and an idle partition moved to another
-master."""
+tracker election, a master failover reconciled, and a partition moved to another master,
+idle and under load."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ from router.load import RedisLoadBoard, new_router_id
 from tests.tracker.test_redis_index import NS, SEQ, batch, exercise, matches, remove, store
 from tracker import keys as schema
 from tracker.blocks import Namespace, block_keys
-from tracker.errors import ConfigError
+from tracker.errors import ConfigError, IndexUnavailableError
 from tracker.lease import TrackerLease
 from tracker.redis_client import ClusterURL, parse_cluster_url
 from tracker.redis_index import RedisIndex
@@ -159,18 +160,115 @@ async def test_an_idle_partition_moved_to_another_master_keeps_everything(
         await index.close()
 
 
-def _migrate_slot(slot: int, source: int, target: int, masters: list[int]) -> int:
+async def test_a_live_partition_moved_to_another_master_under_load_loses_nothing(
+    cluster: RedisClusterNodes, cluster_url: str
+) -> None:
+    """Resharding while a tracker writes and a router reads and writes the partition.
+
+    ``redis-cli --cluster reshard`` moves a slot's keys in whatever order Redis lists them.
+    Here the six keys ``APPLY`` names move first: Redis then sends the call on to the
+    importing master (``ASK``), where the buckets have not arrived yet. Had the call named
+    only those six, it would run there against empty buckets: the removal of chain 0 would
+    find nothing to remove, and chain 0 would come back with its bucket. Every key a writing
+    script touches is named, so Redis refuses the whole call (``TRYAGAIN``) while any of them
+    is on the other side; the tracker's index keeps the refused changes and writes them after
+    the move. The router's lookups and routing writes are refused meanwhile, which a router
+    counts as load-only fallbacks: nothing raises but :class:`IndexUnavailableError`, the
+    migration never meets a key written behind it (``BUSYKEY``), and at the end the index
+    holds exactly what the events say."""
+    index = RedisIndex.from_url(cluster_url)
+    chains = [[10_000 * c + t for t in range(16)] for c in range(400)]
+    try:
+        for c, chain in enumerate(chains[:60]):  # a partition with a few hundred keys
+            await index.apply("r1", NS, batch(store(chain)), c + 1)
+        await index.apply("gone", NS, batch(store(chains[-1])), 1)
+        await index.forget("gone", NS)  # a released rid: the free-rid set exists
+        await index.claim_partitions(1, "0")  # an elected tracker writes: the fence exists
+        nk = schema.NamespaceKeys(NS)
+        named = [nk.seq, nk.rid, nk.rname, nk.ridseq, nk.ridfree, nk.fence("0")]
+        # ... and the bucket of chain 0's first block, which the first call evicts
+        first = [*named, nk.block_bucket(block_keys(chains[0], NS)[0])]
+        with sync_redis(cluster_url) as client:
+            slot = client.keyslot(nk.seq)
+            source = client.get_node_from_key(nk.seq).port
+        masters = [port for port in _ports(cluster) if _info(port).get("role") == "master"]
+        target = next(port for port in masters if port != source)
+        half_moved = threading.Event()
+        migration = asyncio.create_task(
+            asyncio.to_thread(
+                _migrate_slot, slot, source, target, masters,
+                first=first, moved_first=half_moved, per_call=2, pause=0.01,
+            )
+        )  # fmt: skip
+        assert await asyncio.to_thread(half_moved.wait, 10)
+        refused = {"apply": 0, "lookup": 0, "route": 0}
+        c, after = 60, 0
+        while after < 3:  # until the migration has ended, and a few requests past it
+            after += migration.done()
+            evict_oldest_store_newest = batch(remove(chains[c - 60], *range(4)), store(chains[c]))
+            try:
+                await index.apply("r1", NS, evict_oldest_store_newest, c + 1)
+            except IndexUnavailableError:
+                refused["apply"] += 1
+            c += 1
+            assert c < len(chains), "the migration outlasted the workload"
+            keys = block_keys(chains[c - 2], NS)
+            try:
+                await index.lookup(NS, keys)
+            except IndexUnavailableError:
+                refused["lookup"] += 1
+            try:  # predictions for another replica, so that r1's own blocks are what is read
+                await index.route(NS, "r2", keys, ttl_s=5, anchors=keys[:1], home_ttl_s=5)
+            except IndexUnavailableError:
+                refused["route"] += 1
+        moved = await migration  # no BUSYKEY: nothing was written behind the migration
+        assert moved > 100
+        with sync_redis(cluster_url) as client:
+            assert client.get_node_from_key(nk.seq).port == target
+        assert refused["apply"] > 0, "the workload never met the migration"
+        await index.apply("r1", NS, batch(), c)  # writes whatever Redis refused meanwhile
+        for i, chain in enumerate(chains[:c]):
+            held = (await matches(index, chain)).get("r1")
+            assert held == ((4, 4) if i >= c - 60 else None), (i, c, refused)
+        assert await index.last_seq("r1", NS) == c
+        # no call ran halfway: the held-blocks count APPLY keeps is the ledger's
+        residency = (await index.survey(NS, [])).residency["r1"]
+        assert residency.blocks == await index.block_count("r1", NS) == 4 * 60
+    finally:
+        await index.close()
+
+
+def _migrate_slot(
+    slot: int,
+    source: int,
+    target: int,
+    masters: list[int],
+    *,
+    first: list[str] | None = None,
+    moved_first: threading.Event | None = None,
+    per_call: int = 100,
+    pause: float = 0.0,
+) -> int:
     """Move ``slot`` from the master on port ``source`` to the one on ``target`` as
-    ``redis-cli --cluster reshard`` does; the number of keys moved."""
+    ``redis-cli --cluster reshard`` does (``first`` these keys, then ``moved_first`` is set,
+    then ``per_call`` keys per ``MIGRATE``, ``pause`` seconds between them); the number of
+    keys moved."""
     src, dst = redis.Redis(port=source), redis.Redis(port=target)
     try:
         src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
         dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
         src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
         moved = 0
-        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+        if first:
+            src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *first)
+            moved += len(first)
+        if moved_first is not None:
+            moved_first.set()
+            time.sleep(pause * 20)  # the half-moved state, long enough to meet some calls
+        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, per_call):
             src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
             moved += len(keys)
+            time.sleep(pause)
         for port in masters:  # every master learns the new owner (the target first)
             with redis.Redis(port=port) as node:
                 node.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
