@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -31,6 +32,17 @@ async def _slow_stream(request: Request) -> Response:
     return StreamingResponse(chunks(), media_type="text/event-stream")
 
 
+async def _ticking(request: Request) -> Response:
+    gap = float(request.query_params["gap"])
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(int(request.query_params["n"])):
+            await asyncio.sleep(gap)
+            yield f"data: {i}\n\n".encode()
+
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
 async def _late(request: Request) -> Response:
     await asyncio.sleep(float(request.query_params.get("after", "0")))
     return Response(b'{"ok": true}', media_type="application/json", headers={"x-up": "1"})
@@ -41,6 +53,7 @@ async def server() -> AsyncIterator[str]:
     app = Starlette(
         routes=[
             Route("/stream", _slow_stream, methods=["POST"]),
+            Route("/ticking", _ticking, methods=["POST"]),
             Route("/late", _late, methods=["POST", "GET"]),
         ]
     )
@@ -89,6 +102,31 @@ async def test_answers_chunks_and_timeouts() -> None:
             await stream.read(1.0, limit=4)
         await stream.aclose()
         assert (await upstream.get("r", url, "/late", timeout_s=1))[0] == 200
+
+
+async def test_a_read_times_out_only_on_its_own_wait() -> None:
+    """One timer per response keeps every read's timeout: a stream whose chunks come faster
+    than the timeout lives longer than it, and time spent between reads (writing to a slow
+    client) is not waiting; a read that waits it out fails, and the connection is dropped."""
+    async with server() as url, client() as upstream:
+        stream = await upstream.open("r", url, "/ticking?n=6&gap=0.1", b"{}", {}, timeout_s=2)
+        started = time.monotonic()
+        chunks = [await stream.next_chunk(0.25) for _ in range(3)]
+        await asyncio.sleep(0.4)  # longer than the timeout, between two reads
+        while chunk := await stream.next_chunk(0.25):
+            chunks.append(chunk)
+        assert b"".join(chunks) == b"".join(f"data: {i}\n\n".encode() for i in range(6))
+        assert time.monotonic() - started > 0.6
+        await stream.aclose()
+
+        stream = await upstream.open("r", url, "/ticking?n=3&gap=0.5", b"{}", {}, timeout_s=2)
+        started = time.monotonic()
+        with pytest.raises(UpstreamTimeoutError, match=r"sent nothing for 0\.2s"):
+            await stream.next_chunk(0.2)
+        assert 0.19 < time.monotonic() - started < 0.45
+        with pytest.raises(UpstreamTimeoutError):  # and stays failed
+            await stream.next_chunk(0.2)
+        await stream.aclose()
 
 
 async def test_refused_and_dropped_connections() -> None:
