@@ -127,11 +127,7 @@ class EngineBlock:
 
 def tiers_of(refs: list[int]) -> int:
     """Bitmask of the tiers whose reference count is positive (plain int: per block event)."""
-    mask = 0
-    for bit, count in zip((1, 2, 4, 8), refs, strict=True):
-        if count > 0:
-            mask |= bit
-    return mask
+    return (refs[0] > 0) | (refs[1] > 0) << 1 | (refs[2] > 0) << 2 | (refs[3] > 0) << 3
 
 
 @dataclass(slots=True)
@@ -240,12 +236,14 @@ class ReplicaLedger:
             return kind in _FULL_ATTENTION_KINDS
         return group_idx in (None, 0)
 
-    def _touch(self, key: int, tier: Tier, delta: int, changes: LedgerChanges) -> None:
+    def _touch(self, key: int, slot: int, delta: int, changes: LedgerChanges) -> None:
+        """``delta`` references to ``key`` in the tier of index ``slot`` (:data:`TIERS`)."""
         refs = self.refs.get(key)
         if refs is None:
             refs = self.refs[key] = [0, 0, 0, 0]
-        refs[_TIER_SLOT[tier]] += delta
-        mask = tiers_of(refs)
+        refs[slot] += delta
+        # tiers_of(refs), inline: this runs once per block event
+        mask = (refs[0] > 0) | (refs[1] > 0) << 1 | (refs[2] > 0) << 2 | (refs[3] > 0) << 3
         if not mask:
             del self.refs[key]
         changes.placements[key] = mask
@@ -258,6 +256,7 @@ class ReplicaLedger:
         if not _known(event):
             changes.stats["unknown_medium"] += len(hashes)
         tier = tier_of(event.medium, event.locality)
+        slot = _TIER_SLOT[tier]
         if not event.token_ids:
             self._stored_tokenless(hashes, tier, changes)
             return
@@ -298,7 +297,7 @@ class ReplicaLedger:
                 block = self.engine[engine_hash] = EngineBlock(key)
             block.add(tier, 1)
             self.orphans.pop(engine_hash, None)
-            self._touch(key, tier, 1, changes)
+            self._touch(key, slot, 1, changes)
             changes.engine[engine_hash] = block
         changes.stats["stored"] += len(hashes)
 
@@ -310,14 +309,14 @@ class ReplicaLedger:
                 changes.stats["tokenless_unknown"] += 1
                 continue
             block.add(tier, 1)
-            self._touch(block.key, tier, 1, changes)
+            self._touch(block.key, _TIER_SLOT[tier], 1, changes)
             changes.engine[engine_hash] = block
             changes.stats["stored"] += 1
 
     def _drop(self, engine_hash: int, block: EngineBlock, changes: LedgerChanges) -> None:
         for tier in TIERS:
             if block.count(tier):
-                self._touch(block.key, tier, -block.count(tier), changes)
+                self._touch(block.key, _TIER_SLOT[tier], -block.count(tier), changes)
         del self.engine[engine_hash]
         changes.engine[engine_hash] = None
 
@@ -328,6 +327,7 @@ class ReplicaLedger:
         if not _known(event):
             changes.stats["unknown_medium"] += len(event.block_hashes)
         tier = tier_of(event.medium, event.locality)
+        slot = _TIER_SLOT[tier]
         for raw in event.block_hashes:
             engine_hash = external_hash_u64(raw)
             block = self.engine.get(engine_hash)
@@ -345,7 +345,7 @@ class ReplicaLedger:
                 changes.stats["unbalanced_remove"] += 1
                 continue
             block.add(tier, -1)
-            self._touch(block.key, tier, -1, changes)
+            self._touch(block.key, slot, -1, changes)
             if not block.held():
                 del self.engine[engine_hash]
                 changes.engine[engine_hash] = None

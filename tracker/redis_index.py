@@ -234,15 +234,23 @@ class RedisIndex:
         """The engine map Redis holds for replica id ``rid``."""
         buckets = self.keys_for(namespace).engine_buckets(rid)
         entries: list[tuple[int, EngineBlock]] = []
+        skipped = 0
         for start in range(0, len(buckets), 128):
             async with self.client.pipeline(transaction=False) as pipe:
                 for bucket in buckets[start : start + 128]:
                     pipe.hgetall(bucket)
                 mappings = await self._call("load", pipe.execute())
             for mapping in mappings:
-                entries.extend(
-                    (int.from_bytes(f, "big"), EngineBlock.unpack(v)) for f, v in mapping.items()
-                )
+                for f, v in mapping.items():
+                    if len(v) == schema.ENGINE_VALUE_BYTES:
+                        entries.append((int.from_bytes(f, "big"), EngineBlock.unpack(v)))
+                    else:  # not this layout's: a foreign writer; the replay will tell the rest
+                        skipped += 1
+        if skipped:
+            logger.warning(
+                "engine map entries of another layout skipped",
+                extra={"rid": rid, "skipped": skipped, "bytes": schema.ENGINE_VALUE_BYTES},
+            )
         return entries
 
     async def _flush(self, replica: str, namespace: Namespace, *, resync: bool = True) -> None:

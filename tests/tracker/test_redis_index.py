@@ -112,9 +112,13 @@ async def test_bucket_entries_hold_each_replicas_rid_and_tiers(
         value = client.hget(nk.block_bucket(first), schema.field(first))
     rids = {await index.rid(r, NS): r for r in ("r1", "r2")}
     assert {rids[rid]: tiers for rid, tiers in schema.bucket_entries(value)} == {"r1": 0b11}
+    rid1 = await index.rid("r1", NS)
+    with redis.Redis.from_url(redis_url) as client:  # a value of another layout (12 bytes)
+        client.hset(nk.engine_bucket(rid1, 7), schema.field(7), bytes(12))
     restarted = index_factory()
     await restarted.apply("r1", NS, batch(remove(SEQ, 0)), 2)  # its ledger restored first
     assert await matches(restarted, SEQ) == {"r1": (4, 3)}  # r2 lost block 0: no run
+    assert await restarted.block_count("r1", NS) == 4  # the foreign entry was skipped
 
 
 # ------------------------------------------------------------------ tracker restart
