@@ -196,7 +196,14 @@ class Plan:
         return {
             "workload": {"name": self.workload.name, **self.workload.params},
             "requests": self.workload.requests,
-            "fleet": {k: v for k, v in dataclasses.asdict(self.fleet).items() if k != "workdir"},
+            "fleet": {
+                k: v
+                for k, v in dataclasses.asdict(self.fleet).items()
+                if k not in ("workdir", "vllm")
+            },
+            "vllm": None
+            if self.fleet.vllm is None
+            else {"binary": str(self.fleet.vllm.binary), "model": str(self.fleet.vllm.model)},
             "time_scale": self.fleet.time_scale,
             "shape": dataclasses.asdict(self.shape),
             "ideal_hit_rate": self.shape.ideal_hit_rate,

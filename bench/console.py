@@ -56,12 +56,20 @@ class Console(Hooks):
         self.out.print(
             f"[bold]workload[/] {chosen.workload.describe()}: {chosen.workload.requests} requests"
         )
-        self.out.print(
-            f"[bold]fleet[/] {fleet.replicas} simulated engines ({fleet.profile}, H200 profile, "
-            f"{fleet.num_blocks} x {fleet.block_size}-token KV blocks each), "
-            f"{'embedded router' if not fleet.redis else f'{fleet.routers} router(s) + Redis'}"
-            f", time scale {fleet.time_scale:g} (latencies below are simulated H200 time)"
-        )
+        routers = "embedded router" if not fleet.redis else f"{fleet.routers} router(s) + Redis"
+        if fleet.vllm is not None:
+            engines = (
+                f"{fleet.replicas} real vLLM engines (CPU build, {fleet.vllm.model.name}, "
+                f"{fleet.num_blocks} x {fleet.block_size}-token KV blocks each), {routers} "
+                "(latencies below are real time)"
+            )
+        else:
+            engines = (
+                f"{fleet.replicas} simulated engines ({fleet.profile}, H200 profile, "
+                f"{fleet.num_blocks} x {fleet.block_size}-token KV blocks each), {routers}, "
+                f"time scale {fleet.time_scale:g} (latencies below are simulated H200 time)"
+            )
+        self.out.print(f"[bold]fleet[/] {engines}")
         self.out.print(
             f"[bold]capacity[/] {cap.ideal_rps:.1f} req/s with every shared prefix cached "
             f"({cap.ideal_limit}-bound), {cap.blind_rps:.1f} req/s cache-blind; "
@@ -153,7 +161,8 @@ class Console(Hooks):
         self.table(
             summaries,
             f"{chosen.workload.describe()} — {chosen.fleet.replicas} engines, "
-            f"{chosen.load:.0%} load; latencies in simulated H200 ms",
+            f"{chosen.load:.0%} load; latencies in "
+            + ("real ms" if chosen.fleet.vllm is not None else "simulated H200 ms"),
         )
         checked = goals(chosen.workload.name, summaries)
         self.goals(checked)
