@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.commands import BenchSettings, run
+from bench.commands import BenchSettings, plan, run
 from bench.demo import DemoSettings
 from bench.demo import run as demo
+from bench.stack import VllmEngines
 from tracker.errors import ConfigError
 
 pytestmark = [
@@ -100,3 +102,17 @@ def test_sigterm_stops_the_fleet_instead_of_orphaning_it() -> None:
     while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in children if _alive(pid)]
+
+
+def test_a_real_vllm_plan_describes_its_engines_in_json(tmp_path: Path) -> None:
+    """The JSON ``kvrouter bench --vllm --json`` writes names the vLLM binary and model (a
+    Path in the fleet description made it raise after the whole run)."""
+    chosen = plan(BenchSettings(quick=True))
+    engines = VllmEngines(tmp_path / "bin" / "vllm", tmp_path / "tiny", num_gpu_blocks=160)
+    real = dataclasses.replace(chosen, fleet=dataclasses.replace(chosen.fleet, vllm=engines))
+    meta = json.loads(json.dumps(real.meta()))
+    assert meta["vllm"] == {
+        "binary": str(tmp_path / "bin" / "vllm"),
+        "model": str(tmp_path / "tiny"),
+    }
+    assert "vllm" not in meta["fleet"] and json.loads(json.dumps(chosen.meta()))["vllm"] is None
