@@ -88,9 +88,8 @@ class UpstreamResponse:
 
     Each wait for a chunk has a timeout, kept by one timer per response that is moved only
     when it fires (a wait that outlives it closes the response, which ends the read): a
-    relayed chunk costs a clock read, where ``asyncio.timeout`` around each read cost ~8 µs
-    of the event loop's time, about a quarter of what relaying a chunk costs
-    (docs/benchmarks.md).
+    relayed chunk costs a clock read, where ``asyncio.timeout`` around each read arms and
+    cancels a timer, 3-8 µs of the event loop's time under uvloop (docs/benchmarks.md).
     """
 
     def __init__(
