@@ -106,6 +106,11 @@ class BenchSettings(LogSettings):
         "with --vllm: the model directory the engines serve (the routers tokenize with its "
         "tokenizer and chat template)",
     )
+    vllm_pin: bool = setting(
+        False,
+        "with --vllm: engine i runs on core i (taskset), so the engines do not compete for "
+        "the same cores (on a host with fewer cores than engines they still do)",
+    )
 
     def __post_init__(self) -> None:
         names = self.policy_list
@@ -222,7 +227,9 @@ def plan(settings: BenchSettings) -> Plan:
     vllm, tokenizer = None, Tokenizer.builtin()
     if settings.vllm is not None:
         model = Path(settings.vllm_model)
-        vllm = VllmEngines(Path(settings.vllm), model, num_gpu_blocks=num_blocks)
+        vllm = VllmEngines(
+            Path(settings.vllm), model, num_gpu_blocks=num_blocks, pin=settings.vllm_pin
+        )
         tokenizer = Tokenizer.from_files(model)
     replicas = settings.replicas or (2 if vllm else 4 if quick else 8)
     fleet = FleetConfig(

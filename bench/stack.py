@@ -98,6 +98,7 @@ class VllmEngines:
     num_gpu_blocks: int | None = None
     max_model_len: int = 4096
     nice: int = 5
+    pin: bool = False  # engine i on core i (taskset): the engines stop competing for cores
     attach: bool = False  # register through kvrouter's vllm.general_plugins shim (needs Redis)
     events_host: str = "*"  # anything but a wildcard makes vLLM connect its PUB socket out
     env: tuple[tuple[str, str], ...] = (
@@ -107,7 +108,9 @@ class VllmEngines:
         ("VLLM_SERVER_DEV_MODE", "1"),  # POST /reset_prefix_cache
     )
 
-    def argv(self, model: str, block_size: int, port: int, events: int, replay: int) -> list[str]:
+    def argv(
+        self, model: str, block_size: int, port: int, events: int, replay: int, *, index: int = 0
+    ) -> list[str]:
         events_config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
@@ -116,7 +119,9 @@ class VllmEngines:
             "replay_endpoint": f"tcp://*:{replay}",
             "topic": "",
         }
+        core = index % (os.cpu_count() or 1)
         argv = [
+            *(["taskset", "-c", str(core)] if self.pin else []),
             *(["nice", "-n", str(self.nice)] if self.nice else []),
             str(self.binary),
             "serve",
@@ -289,6 +294,7 @@ class LocalStack:
                     self.replica_port + i,
                     self.events_port + i,
                     self.replay_port + i,
+                    index=i,
                 )
                 env = dict(cfg.vllm.env)
                 if cfg.vllm.attach and self.redis_url:

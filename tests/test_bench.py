@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -116,3 +117,13 @@ def test_a_real_vllm_plan_describes_its_engines_in_json(tmp_path: Path) -> None:
         "model": str(tmp_path / "tiny"),
     }
     assert "vllm" not in meta["fleet"] and json.loads(json.dumps(chosen.meta()))["vllm"] is None
+
+
+def test_pinned_vllm_engines_each_get_a_core_of_their_own(tmp_path: Path) -> None:
+    engines = VllmEngines(tmp_path / "vllm", tmp_path / "tiny", pin=True)
+    cores = os.cpu_count() or 1
+    for index in range(3):
+        argv = engines.argv("tiny", 32, 8000, 9000, 9100, index=index)
+        assert argv[:3] == ["taskset", "-c", str(index % cores)]
+        assert argv[3:6] == ["nice", "-n", "5"] and argv[6] == str(tmp_path / "vllm")
+    assert VllmEngines(tmp_path / "vllm", tmp_path / "tiny").argv("tiny", 32, 1, 2, 3)[0] == "nice"
