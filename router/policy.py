@@ -353,7 +353,7 @@ def score_replica(
     usable = max(0, min(state.matched_blocks, (prompt_tokens - 1) // size))
     gpu = max(0, min(state.matched_gpu_blocks, usable)) * size
     offload = usable * size - gpu
-    loading = _loading_tokens(state, usable - gpu // size, config) * size
+    loading = _loading_tokens(state, offload // size, config) * size
     uncached = max(0, prompt_tokens - usable * size)
     speed = state.speed
 

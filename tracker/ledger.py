@@ -105,7 +105,11 @@ class EngineBlock:
             self.remote += delta
 
     def count(self, tier: Tier) -> int:
-        return self.counts()[_TIER_SLOT[tier]]
+        if tier is Tier.GPU:
+            return self.gpu
+        if tier is Tier.CPU:
+            return self.cpu
+        return self.storage if tier is Tier.STORAGE else self.remote
 
     def held(self) -> bool:
         return self.gpu > 0 or self.cpu > 0 or self.storage > 0 or self.remote > 0
@@ -258,7 +262,7 @@ class ReplicaLedger:
         tier = tier_of(event.medium, event.locality)
         slot = _TIER_SLOT[tier]
         if not event.token_ids:
-            self._stored_tokenless(hashes, tier, changes)
+            self._stored_tokenless(hashes, tier, slot, changes)
             return
         if event.block_size != self.namespace.block_size:
             changes.stats["block_size_mismatch"] += len(hashes)
@@ -301,7 +305,9 @@ class ReplicaLedger:
             changes.engine[engine_hash] = block
         changes.stats["stored"] += len(hashes)
 
-    def _stored_tokenless(self, hashes: list[int], tier: Tier, changes: LedgerChanges) -> None:
+    def _stored_tokenless(
+        self, hashes: list[int], tier: Tier, slot: int, changes: LedgerChanges
+    ) -> None:
         # Offload connectors announce copies of blocks the GPU pool already described.
         for engine_hash in hashes:
             block = self.engine.get(engine_hash)
@@ -309,7 +315,7 @@ class ReplicaLedger:
                 changes.stats["tokenless_unknown"] += 1
                 continue
             block.add(tier, 1)
-            self._touch(block.key, _TIER_SLOT[tier], 1, changes)
+            self._touch(block.key, slot, 1, changes)
             changes.engine[engine_hash] = block
             changes.stats["stored"] += 1
 

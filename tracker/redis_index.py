@@ -289,9 +289,12 @@ class RedisIndex:
         declared: list[list[str]] = []
         for call in range(calls):
             window = slice(call * OPS_PER_CALL, (call + 1) * OPS_PER_CALL)
-            declared.append(keys)
-            if self._cluster:
-                declared[-1] = keys + _touched_by_apply(nk, rid, placements[window], engine[window])
+            touched = (
+                _touched_by_apply(nk, rid, placements[window], engine[window])
+                if self._cluster
+                else []
+            )
+            declared.append(keys + touched)
             batches.append(
                 [
                     replica,
