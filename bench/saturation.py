@@ -9,12 +9,19 @@ router --redis`` per ``--workers`` value and one instance of each installed peer
 flight for ``--seconds`` (a group's 1,000-token system prompt and a new question: the builtin
 byte-level tokenizer, the same requests for every target), straight to the engines
 (round-robin) or through the router. Reported per target and level: completed requests/s,
-time to the first chunk (p50 / p99) and what it adds over the engines' own at the same
+time to the first chunk (p50 / p95 / p99) and what it adds over the engines' own at the same
 level, the gap between chunks (p99), the router's CPU per request (its process tree, from
 /proc) and errors. A target's saturation is its best requests/s over the levels.
 
-    python -m bench.saturation [--concurrency 1,8,32,128] [--seconds 6] [--workers 1,2]
-        [--peers smg,vllm-kv,vllm-cache] [--json FILE]
+``--rates`` adds open-loop levels: requests arrive as a Poisson process at each rate for
+``--seconds``, whatever the answers (the same arrival times for every target), so a router
+that falls behind is seen queueing instead of slowing its own load down. In a closed loop
+every target completes about the same requests/s and time moves between the first chunk
+and the rest of the stream; at a fixed offered rate TTFT compares like for like. A request
+that would exceed ``MAX_OPEN`` in flight is counted as an error instead of being sent.
+
+    python -m bench.saturation [--concurrency 1,8,32,128] [--rates 100,200,400,600]
+        [--seconds 6] [--workers 1,2] [--peers smg,vllm-kv,vllm-cache] [--json FILE]
 
 Every process shares the machine's cores with the load generator (its CPU per request is
 reported too): compare targets within one run.
@@ -26,7 +33,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +53,7 @@ from bench.stack import LocalStack, kvrouter_bin, port_block
 from router.upstream import KEEPALIVE_EXPIRY_S
 
 DIRECT: Final = "direct"
+MAX_OPEN: Final = 2048  # open-loop requests in flight at most (bounded load)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class Plan:
     """Shape of the measurement (bounded: levels x targets x ``seconds``)."""
 
     concurrency: tuple[int, ...] = (1, 8, 32, 128)
+    rates: tuple[float, ...] = ()
     seconds: float = 6.0
     warmup_s: float = 1.0
     output_tokens: int = 16
@@ -103,6 +114,58 @@ async def closed_streams(
     return Level(ttft, gaps, errors, time.perf_counter() - start)
 
 
+async def open_streams(
+    client: aiohttp.ClientSession,
+    target: Target,
+    bodies: Bodies,
+    *,
+    rate: float,
+    seconds: float,
+    output_tokens: int,
+) -> Level:
+    """Poisson arrivals at ``rate`` per second for ``seconds`` (seeded by the rate: every
+    target gets the same arrival times), each a stream of its own; waits for the last."""
+    ttft: list[float] = []
+    gaps: list[float] = []
+    errors = 0
+    inflight: set[asyncio.Task[None]] = set()
+
+    async def send() -> None:
+        nonlocal errors
+        try:
+            times = await one_stream(client, target, bodies.make(output_tokens, stream=True))
+        except (aiohttp.ClientError, TimeoutError):
+            errors += 1
+            return
+        if not times:
+            errors += 1
+            return
+        ttft.append(times[0])
+        gaps.extend(b - a for a, b in pairwise(times))
+
+    arrivals = random.Random(int(rate * 1000))
+    start = time.perf_counter()
+    at = arrivals.expovariate(rate)
+    while at < seconds:
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if len(inflight) >= MAX_OPEN:
+            errors += 1
+        else:
+            task = asyncio.create_task(send())
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+        at += arrivals.expovariate(rate)
+    await asyncio.gather(*inflight)
+    return Level(ttft, gaps, errors, time.perf_counter() - start)
+
+
+def level_name(level: int | float, *, rate: bool) -> str:
+    """A level's key in the report: ``"32"`` (streams) or ``"400/s"`` (offered rate)."""
+    return f"{level:g}/s" if rate else str(level)
+
+
 async def drive(
     targets: dict[str, list[str]], pids: dict[str, int | None], plan: Plan
 ) -> dict[str, dict[str, dict[str, float]]]:
@@ -111,27 +174,48 @@ async def drive(
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
     timeout = aiohttp.ClientTimeout(total=60.0)
     report: dict[str, dict[str, dict[str, float]]] = {name: {} for name in targets}
+    steps = [(c, False) for c in plan.concurrency] + [(r, True) for r in plan.rates]
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
-        for concurrency in plan.concurrency:
-            shape: dict[str, Any] = {
-                "concurrency": concurrency,
-                "seconds": plan.seconds,
-                "output_tokens": plan.output_tokens,
-            }
+        for level, is_rate in steps:
             for name, urls in targets.items():
                 target = Target(name, urls)
                 # connections opened, every group's prefix cached, tokenizer caches warm
-                await closed_streams(client, target, bodies, **dict(shape, seconds=plan.warmup_s))
+                await closed_streams(
+                    client,
+                    target,
+                    bodies,
+                    concurrency=8 if is_rate else int(level),
+                    seconds=plan.warmup_s,
+                    output_tokens=plan.output_tokens,
+                )
                 pid = pids.get(name)
                 cpu = cpu_seconds(pid) if pid is not None else None
                 mine = cpu_seconds(None)
-                run = await closed_streams(client, target, bodies, **shape)
+                if is_rate:
+                    run = await open_streams(
+                        client,
+                        target,
+                        bodies,
+                        rate=level,
+                        seconds=plan.seconds,
+                        output_tokens=plan.output_tokens,
+                    )
+                else:
+                    run = await closed_streams(
+                        client,
+                        target,
+                        bodies,
+                        concurrency=int(level),
+                        seconds=plan.seconds,
+                        output_tokens=plan.output_tokens,
+                    )
                 done = max(1, len(run.ttft))
                 row = {
                     "requests": float(len(run.ttft)),
                     "errors": float(run.errors),
                     "rps": len(run.ttft) / run.seconds,
                     "ttft_p50_ms": percentile(run.ttft, 50) * 1e3,
+                    "ttft_p95_ms": percentile(run.ttft, 95) * 1e3,
                     "ttft_p99_ms": percentile(run.ttft, 99) * 1e3,
                     "gap_p50_ms": percentile(run.gaps, 50) * 1e3,
                     "gap_p99_ms": percentile(run.gaps, 99) * 1e3,
@@ -139,12 +223,13 @@ async def drive(
                 }
                 if pid is not None and cpu is not None:
                     row["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu) * 1e3 / done
-                report[name][str(concurrency)] = row
+                report[name][level_name(level, rate=is_rate)] = row
     for name, levels in report.items():
-        for level, row in levels.items():
-            base = report[DIRECT].get(level)
+        for key, row in levels.items():
+            base = report[DIRECT].get(key)
             if name != DIRECT and base is not None:
                 row["added_p50_ms"] = row["ttft_p50_ms"] - base["ttft_p50_ms"]
+                row["added_p95_ms"] = row["ttft_p95_ms"] - base["ttft_p95_ms"]
                 row["added_p99_ms"] = row["ttft_p99_ms"] - base["ttft_p99_ms"]
     return report
 
@@ -157,7 +242,7 @@ def saturation(levels: dict[str, dict[str, float]]) -> float:
 def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
     """The report as a plain-text table, one line per target and level."""
     lines = [
-        f"{'target':<14} {'streams':>7} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} "
+        f"{'target':<14} {'level':>7} {'req/s':>7} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
         f"{'added p50':>10} {'p99':>8} {'gap p99':>8} {'CPU/req':>8} {'errors':>6}  (real ms)"
     ]
     for name, levels in report.items():
@@ -170,7 +255,8 @@ def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
             cpu = f"{row['cpu_ms_per_request']:>8.2f}" if "cpu_ms_per_request" in row else " " * 8
             lines.append(
                 f"{name:<14} {level:>7} {row['rps']:>7.0f} {row['ttft_p50_ms']:>9.2f} "
-                f"{row['ttft_p99_ms']:>8.2f} {added} {row['gap_p99_ms']:>8.2f} {cpu} "
+                f"{row.get('ttft_p95_ms', math.nan):>8.2f} {row['ttft_p99_ms']:>8.2f} {added} "
+                f"{row['gap_p99_ms']:>8.2f} {cpu} "
                 f"{int(row['errors']):>6}"
             )
     lines.append("saturation (best req/s): " + ", ".join(
@@ -205,6 +291,9 @@ def _wait_replicas(url: str, want: int, timeout_s: float = 30.0) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.saturation", description=__doc__)
     parser.add_argument("--concurrency", default="1,8,32,128", help="streams in flight, per level")
+    parser.add_argument(
+        "--rates", default="", help="open-loop levels: Poisson arrivals per second (after those)"
+    )
     parser.add_argument("--seconds", type=float, default=Plan.seconds, help="per level and target")
     parser.add_argument("--output-tokens", type=int, default=Plan.output_tokens)
     parser.add_argument("--step-ms", type=float, default=Plan.step_ms, help="engine step (real)")
@@ -216,13 +305,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         peers = installed(args.peers)
         levels = tuple(int(c) for c in args.concurrency.split(",") if c)
+        rates = tuple(float(r) for r in args.rates.split(",") if r)
         workers = [int(w) for w in args.workers.split(",") if w]
     except ValueError as exc:
         parser.error(str(exc))
-    if not levels or min(levels) < 1 or not workers or min(workers) < 1:
+    if not (levels or rates) or min(levels, default=1) < 1 or not workers or min(workers) < 1:
         parser.error("--concurrency and --workers take positive integers")
+    if rates and not all(0 < r < math.inf for r in rates):
+        parser.error("--rates takes positive numbers")
     plan = Plan(
         concurrency=levels,
+        rates=rates,
         seconds=args.seconds,
         output_tokens=args.output_tokens,
         step_ms=args.step_ms,
@@ -254,7 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(report))
     if args.json:
         meta: dict[str, Any] = {
-            "plan": {**plan.__dict__, "concurrency": list(plan.concurrency)},
+            "plan": {
+                **plan.__dict__,
+                "concurrency": list(plan.concurrency),
+                "rates": list(plan.rates),
+            },
             "cores": os.cpu_count(),
             "saturation": {name: saturation(levels) for name, levels in report.items()},
         }
