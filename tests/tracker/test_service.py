@@ -52,6 +52,9 @@ async def publisher(zctx: zmq.asyncio.Context) -> AsyncIterator[EventPublisher]:
 
 @pytest.fixture
 async def make_service() -> AsyncIterator[Callable[..., Any]]:
+    """Starts tracker services; stops them at teardown. A test that also takes
+    ``redis_index`` names it first: the services must stop before the index closes (a
+    service still writing to a closed client leaks its connection)."""
     services: list[TrackerService] = []
 
     async def make(index: BlockIndex, **overrides: Any) -> TrackerService:
@@ -134,7 +137,7 @@ async def test_metrics_and_health_endpoints(make_service: Any, publisher: EventP
 
 
 async def test_registry_discovery_fencing_and_reaping(
-    make_service: Any, publisher: EventPublisher, redis_index: RedisIndex
+    redis_index: RedisIndex, make_service: Any, publisher: EventPublisher
 ) -> None:
     service = await make_service(redis_index, reap_interval_s=0.05)
     await redis_index.register(record(publisher))
@@ -304,7 +307,7 @@ async def test_a_redis_that_would_evict_index_keys_is_refused_at_start(
 
 
 async def test_redis_memory_in_health_and_metrics_budget_and_a_policy_changed_later(
-    make_service: Any, redis_index: RedisIndex, eviction_policy: Callable[[str], None]
+    redis_index: RedisIndex, make_service: Any, eviction_policy: Callable[[str], None]
 ) -> None:
     # volatile-* policies evict only keys with a TTL (leases, load), never the index's
     eviction_policy("volatile-lru")
@@ -337,7 +340,7 @@ async def test_redis_memory_in_health_and_metrics_budget_and_a_policy_changed_la
 
 
 async def test_redis_memory_over_the_budget_degrades_health(
-    make_service: Any, redis_index: RedisIndex
+    redis_index: RedisIndex, make_service: Any
 ) -> None:
     # a budget of 1 KiB: any redis-server uses more than that
     service = await make_service(redis_index, http_port=free_port(), memory_budget_mb=1 / 1024)
