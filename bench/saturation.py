@@ -38,7 +38,7 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, Final
@@ -72,12 +72,24 @@ class Plan:
 
 @dataclass
 class Level:
-    """One closed loop's samples."""
+    """One level's samples."""
 
-    ttft: list[float]
-    gaps: list[float]
-    errors: int
-    seconds: float
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+
+    async def sample(self, client: aiohttp.ClientSession, target: Target, body: Any) -> None:
+        """Send one stream; record its first chunk and the gaps between chunks, or an error."""
+        try:
+            times = await one_stream(client, target, body)
+        except (aiohttp.ClientError, TimeoutError):
+            times = []
+        if not times:
+            self.errors += 1
+            return
+        self.ttft.append(times[0])
+        self.gaps.extend(b - a for a, b in pairwise(times))
 
 
 async def closed_streams(
@@ -90,28 +102,17 @@ async def closed_streams(
     output_tokens: int,
 ) -> Level:
     """``concurrency`` streams in flight until ``seconds`` have passed (none starts after)."""
-    ttft: list[float] = []
-    gaps: list[float] = []
-    errors = 0
+    level = Level()
     deadline = time.monotonic() + seconds
 
     async def worker() -> None:
-        nonlocal errors
         while time.monotonic() < deadline:
-            try:
-                times = await one_stream(client, target, bodies.make(output_tokens, stream=True))
-            except (aiohttp.ClientError, TimeoutError):
-                errors += 1
-                continue
-            if not times:
-                errors += 1
-                continue
-            ttft.append(times[0])
-            gaps.extend(b - a for a, b in pairwise(times))
+            await level.sample(client, target, bodies.make(output_tokens, stream=True))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return Level(ttft, gaps, errors, time.perf_counter() - start)
+    level.seconds = time.perf_counter() - start
+    return level
 
 
 async def open_streams(
@@ -125,24 +126,8 @@ async def open_streams(
 ) -> Level:
     """Poisson arrivals at ``rate`` per second for ``seconds`` (seeded by the rate: every
     target gets the same arrival times), each a stream of its own; waits for the last."""
-    ttft: list[float] = []
-    gaps: list[float] = []
-    errors = 0
+    level = Level()
     inflight: set[asyncio.Task[None]] = set()
-
-    async def send() -> None:
-        nonlocal errors
-        try:
-            times = await one_stream(client, target, bodies.make(output_tokens, stream=True))
-        except (aiohttp.ClientError, TimeoutError):
-            errors += 1
-            return
-        if not times:
-            errors += 1
-            return
-        ttft.append(times[0])
-        gaps.extend(b - a for a, b in pairwise(times))
-
     arrivals = random.Random(int(rate * 1000))
     start = time.perf_counter()
     at = arrivals.expovariate(rate)
@@ -151,14 +136,16 @@ async def open_streams(
         if delay > 0:
             await asyncio.sleep(delay)
         if len(inflight) >= MAX_OPEN:
-            errors += 1
+            level.errors += 1
         else:
-            task = asyncio.create_task(send())
+            body = bodies.make(output_tokens, stream=True)
+            task = asyncio.create_task(level.sample(client, target, body))
             inflight.add(task)
             task.add_done_callback(inflight.discard)
         at += arrivals.expovariate(rate)
     await asyncio.gather(*inflight)
-    return Level(ttft, gaps, errors, time.perf_counter() - start)
+    level.seconds = time.perf_counter() - start
+    return level
 
 
 def level_name(level: int | float, *, rate: bool) -> str:
