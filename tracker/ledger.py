@@ -320,9 +320,9 @@ class ReplicaLedger:
             changes.stats["stored"] += 1
 
     def _drop(self, engine_hash: int, block: EngineBlock, changes: LedgerChanges) -> None:
-        for tier in TIERS:
-            if block.count(tier):
-                self._touch(block.key, _TIER_SLOT[tier], -block.count(tier), changes)
+        for slot, count in enumerate(block.counts()):
+            if count:
+                self._touch(block.key, slot, -count, changes)
         del self.engine[engine_hash]
         changes.engine[engine_hash] = None
 
