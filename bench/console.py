@@ -57,17 +57,17 @@ class Console(Hooks):
             f"[bold]workload[/] {chosen.workload.describe()}: {chosen.workload.requests} requests"
         )
         routers = "embedded router" if not fleet.redis else f"{fleet.routers} router(s) + Redis"
+        blocks = f"{fleet.num_blocks} x {fleet.block_size}-token KV blocks each"
         if fleet.vllm is not None:
             engines = (
                 f"{fleet.replicas} real vLLM engines (CPU build, {fleet.vllm.model.name}, "
-                f"{fleet.num_blocks} x {fleet.block_size}-token KV blocks each), {routers} "
-                "(latencies below are real time)"
+                f"{blocks}), {routers} (latencies below are real time)"
             )
         else:
             engines = (
-                f"{fleet.replicas} simulated engines ({fleet.profile}, H200 profile, "
-                f"{fleet.num_blocks} x {fleet.block_size}-token KV blocks each), {routers}, "
-                f"time scale {fleet.time_scale:g} (latencies below are simulated H200 time)"
+                f"{fleet.replicas} simulated engines ({fleet.profile}, H200 profile, {blocks}), "
+                f"{routers}, time scale {fleet.time_scale:g} (latencies below are simulated "
+                "H200 time)"
             )
         self.out.print(f"[bold]fleet[/] {engines}")
         self.out.print(
