@@ -48,3 +48,27 @@ def test_peer_arm_serves_the_workload_in_front_of_the_same_engines(
     assert sum(summary.per_replica.values()) == 8  # from the engines' own counters
     assert summary.hit_rate > 0.3  # each group's prefix was reused after its first request
     assert (tmp_path / "peer-0.log").exists()
+
+
+def test_a_peer_arm_follows_kvrouter_in_embedded_mode(tmp_path: Path) -> None:
+    """Without Redis the index lives in the router, which a peer replaces on its port: the
+    fleet still settles (on the engines' probes) and both arms serve."""
+    arm = next((a for a in sorted(PEERS) if not missing([a])), None)
+    if arm is None:
+        pytest.skip("no peer router is installed (pip install -e '.[peers]')")
+    workload = shared_prefix(
+        groups=2,
+        prompts_per_group=3,
+        system_tokens=600,
+        question_tokens=32,
+        output_tokens=8,
+        seed=4,
+    )
+    workload = with_poisson_arrivals(workload, rate=4.0, seed=4)
+    fleet = FleetConfig(replicas=2, time_scale=1.0, num_blocks=512, redis=False, workdir=tmp_path)
+    runs = Harness(fleet, workload, ("kvrouter", arm)).run()
+    assert [run.policy for run in runs] == ["kvrouter", arm]
+    for run in runs:
+        summary = summarize(run, fleet.time_scale)
+        assert summary.errors == 0, [r.error for r in run.results if r.error]
+        assert summary.requests == 6
