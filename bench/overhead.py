@@ -2,9 +2,11 @@
 
 Starts two simulated engines (``--time-scale`` 0.001 by default: a 5k-token hit takes a few
 milliseconds, so the routers' own time stands out), Redis, the tracker and one kvrouter router,
-plus one instance of each peer named (:mod:`bench.peers`) in front of the same engines. Every
-group's system prompt is first cached on both engines, so whichever engine a router picks,
-the request hits and costs the engine the same. Then, round after round, the same kind of
+one embedded kvrouter router (its own index from the engines' events, one process, as each peer
+has; ``--no-embedded`` leaves it out), plus one instance of each peer named
+(:mod:`bench.peers`) in front of the same engines. Every group's system prompt is first cached
+on both engines, so whichever engine a router picks, the request hits and costs the engine
+the same. Then, round after round, the same kind of
 request (a group's ~4,800-token system prompt and a new 150-character question, streamed
 answers of ``--output-tokens``, 64 by default) goes one at a time straight to an engine and
 through each router, in a shuffled order; the time to the first content chunk is taken at
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -31,10 +34,11 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+import httpx
 
 from bench.peers import PEERS, Worker, executable, installed
 from bench.proxy_load import cpu_seconds
-from bench.stack import LocalStack, StackConfig, port_block
+from bench.stack import LocalStack, StackConfig, kvrouter_bin, port_block
 from bench.workloads import text
 
 PATH: Final = "/v1/chat/completions"
@@ -118,6 +122,48 @@ async def measure(
     return report
 
 
+EMBEDDED: Final = "kvrouter-embedded"
+
+
+def start_kvrouter(
+    stack: LocalStack, name: str, *, workers: int | None, extra: Sequence[str] = ()
+) -> str:
+    """One more ``kvrouter router`` in front of the stack's engines, started under the stack's
+    control (process name = ``name``) and serving once it routes to every engine; its URL.
+
+    With ``workers`` it shares the stack's Redis (index, load) with that many processes;
+    ``workers=None`` is the embedded mode: one process whose own tracker reads the engines'
+    events, as each peer keeps an index of its own.
+    """
+    port = port_block(1)
+    url = f"http://127.0.0.1:{port}"
+    config = stack.config
+    if workers is None:
+        index = [flag for spec in stack.replica_specs() for flag in ("--replica", spec)]
+    else:
+        assert stack.redis_url is not None
+        index = ["--redis", stack.redis_url, "--workers", str(workers)]
+    argv = [
+        kvrouter_bin(), "router", "--port", str(port), "--router-id", name,
+        "--model", config.model, "--block-size", str(config.block_size), *index, *extra,
+    ]  # fmt: skip
+    stack.spawn(name, argv, f"{url}/health")
+    _wait_replicas(url, config.replicas)
+    return url
+
+
+def _wait_replicas(url: str, want: int, timeout_s: float = 30.0) -> None:
+    """Until the router at ``url`` has ``want`` engines in rotation (from the registry or the
+    embedded tracker, a moment after its /health first answers)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            if int(httpx.get(f"{url}/health", timeout=1.0).json()["replicas"]["healthy"]) >= want:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} has not found {want} replicas within {timeout_s}s")
+
+
 def start_peers(stack: LocalStack, names: Sequence[str]) -> dict[str, str]:
     """One instance of each named peer router in front of the stack's engines, started
     under the stack's control (process name = peer name); their base URLs by name."""
@@ -151,9 +197,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--time-scale", type=float, default=0.001, help="engines' time scale")
     parser.add_argument("--peers", default="smg,vllm-kv,vllm-cache", help="peer arms ('' for none)")
     parser.add_argument("--router-args", default="", help="extra kvrouter router flags")
+    parser.add_argument(
+        "--embedded",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a kvrouter arm with its own index (one process, no Redis), as each peer has",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the report here too")
     args = parser.parse_args(argv)
+    router_args = tuple(args.router_args.split())
     try:
         peers = installed(args.peers)
     except ValueError as exc:
@@ -163,13 +216,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         routers=1,
         haproxy=False,
         time_scale=args.time_scale,
-        router_args=tuple(args.router_args.split()),
+        router_args=router_args,
         replica_args=("--replay-layout", "topic"),
     )
     with LocalStack(config).start() as stack:
-        targets = {"kvrouter": stack.router_urls[0], **start_peers(stack, peers)}
-        pids = {name: stack.pid(name) for name in peers}
-        pids["kvrouter"] = stack.pid("router-0")
+        targets = {"kvrouter": stack.router_urls[0]}
+        pids = {"kvrouter": stack.pid("router-0")}
+        if args.embedded:
+            targets[EMBEDDED] = start_kvrouter(stack, EMBEDDED, workers=None, extra=router_args)
+            pids[EMBEDDED] = stack.pid(EMBEDDED)
+        targets |= start_peers(stack, peers)
+        pids |= {name: stack.pid(name) for name in peers}
         report = asyncio.run(
             measure(
                 targets,
@@ -182,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
     print(
-        f"{'target':<12} {'TTFT p50':>9} {'p90':>7} {'added p50':>10} {'p90':>7} "
+        f"{'target':<18} {'TTFT p50':>9} {'p90':>7} {'added p50':>10} {'p90':>7} "
         f"{'CPU/request':>12}  (real ms)"
     )
     for name, row in report.items():
@@ -192,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else f"{'':>10} {'':>7}"
         )
         cpu = f"{row['cpu_ms_per_request']:>12.2f}" if "cpu_ms_per_request" in row else ""
-        print(f"{name:<12} {row['ttft_p50_ms']:>9.2f} {row['ttft_p90_ms']:>7.2f} {extra} {cpu}")
+        print(f"{name:<18} {row['ttft_p50_ms']:>9.2f} {row['ttft_p90_ms']:>7.2f} {extra} {cpu}")
     if args.json:
         meta: dict[str, Any] = {"rounds": args.rounds, "time_scale": args.time_scale}
         args.json.write_text(json.dumps({**meta, "targets": report}, indent=2) + "\n")

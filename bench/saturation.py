@@ -1,10 +1,14 @@
-"""What each router costs as concurrency rises: kvrouter (one process, and ``--workers 2``) and
-the real peers against the engines themselves, up to saturation.
+"""What each router costs as concurrency rises: kvrouter (with Redis as one process and as
+``--workers 2``, and embedded) and the real peers against the engines themselves, up to
+saturation.
 
 Starts two simulated engines (one process each; every engine step takes ``--step-ms`` real
 milliseconds, so the engines are not the bottleneck), Redis, the tracker, one ``kvrouter
-router --redis`` per ``--workers`` value and one instance of each installed peer
-(:mod:`bench.peers`), all in front of the same engines. Then, per concurrency level (1, 8,
+router --redis`` per ``--workers`` value, one embedded ``kvrouter router`` (its own index fed
+by the engines' events, one process, as each peer keeps its own; ``--no-embedded`` leaves it
+out) and one instance of each installed peer (:mod:`bench.peers`), all in front of the same
+engines. The tracker and Redis serve the Redis arms and run throughout, so every arm shares
+the host with them. Then, per concurrency level (1, 8,
 32, 128 by default) and per target, a closed loop keeps that many short streamed requests in
 flight for ``--seconds`` (a group's 1,000-token system prompt and a new question: the builtin
 byte-level tokenizer, the same requests for every target), straight to the engines
@@ -21,7 +25,8 @@ and the rest of the stream; at a fixed offered rate TTFT compares like for like.
 that would exceed ``MAX_OPEN`` in flight is counted as an error instead of being sent.
 
     python -m bench.saturation [--concurrency 1,8,32,128] [--rates 100,200,400,600]
-        [--seconds 6] [--workers 1,2] [--peers smg,vllm-kv,vllm-cache] [--json FILE]
+        [--seconds 6] [--workers 1,2] [--no-embedded] [--peers smg,vllm-kv,vllm-cache]
+        [--json FILE]
 
 Every process shares the machine's cores with the load generator (its CPU per request is
 reported too): compare targets within one run.
@@ -31,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -44,12 +48,11 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
-import httpx
 
-from bench.overhead import start_peers
+from bench.overhead import EMBEDDED, start_kvrouter, start_peers
 from bench.peers import installed
 from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, one_stream, percentile
-from bench.stack import LocalStack, kvrouter_bin, port_block
+from bench.stack import LocalStack
 from router.upstream import KEEPALIVE_EXPIRY_S
 
 DIRECT: Final = "direct"
@@ -229,7 +232,7 @@ def saturation(levels: dict[str, dict[str, float]]) -> float:
 def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
     """The report as a plain-text table, one line per target and level."""
     lines = [
-        f"{'target':<14} {'level':>7} {'req/s':>7} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
+        f"{'target':<18} {'level':>7} {'req/s':>7} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
         f"{'added p50':>10} {'p99':>8} {'gap p99':>8} {'CPU/req':>8} {'errors':>6}  (real ms)"
     ]
     for name, levels in report.items():
@@ -241,7 +244,7 @@ def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
             )
             cpu = f"{row['cpu_ms_per_request']:>8.2f}" if "cpu_ms_per_request" in row else " " * 8
             lines.append(
-                f"{name:<14} {level:>7} {row['rps']:>7.0f} {row['ttft_p50_ms']:>9.2f} "
+                f"{name:<18} {level:>7} {row['rps']:>7.0f} {row['ttft_p50_ms']:>9.2f} "
                 f"{row.get('ttft_p95_ms', math.nan):>8.2f} {row['ttft_p99_ms']:>8.2f} {added} "
                 f"{row['gap_p99_ms']:>8.2f} {cpu} "
                 f"{int(row['errors']):>6}"
@@ -250,29 +253,6 @@ def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
         f"{name} {saturation(levels):.0f}" for name, levels in report.items()
     ))  # fmt: skip
     return "\n".join(lines)
-
-
-def _router_argv(
-    stack: LocalStack, port: int, workers: int, extra: Sequence[str] = ()
-) -> list[str]:
-    assert stack.redis_url is not None
-    return [
-        kvrouter_bin(), "router", "--port", str(port), "--router-id", f"kvrouter-w{workers}",
-        "--model", stack.config.model, "--block-size", str(stack.config.block_size),
-        "--redis", stack.redis_url, "--workers", str(workers), *extra,
-    ]  # fmt: skip
-
-
-def _wait_replicas(url: str, want: int, timeout_s: float = 30.0) -> None:
-    """Until the router at ``url`` has ``want`` engines in rotation (found in the registry a
-    moment after its /health first answers)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            if int(httpx.get(f"{url}/health", timeout=1.0).json()["replicas"]["healthy"]) >= want:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} has not found {want} replicas within {timeout_s}s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -284,11 +264,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=Plan.seconds, help="per level and target")
     parser.add_argument("--output-tokens", type=int, default=Plan.output_tokens)
     parser.add_argument("--step-ms", type=float, default=Plan.step_ms, help="engine step (real)")
-    parser.add_argument("--workers", default="1,2", help="kvrouter arms: --workers of each")
+    parser.add_argument(
+        "--workers", default="1,2", help="kvrouter arms with Redis: --workers of each ('' for none)"
+    )
+    parser.add_argument(
+        "--embedded",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a kvrouter arm with its own index (one process, no Redis), as each peer has",
+    )
     parser.add_argument("--peers", default="smg,vllm-kv,vllm-cache", help="peer arms ('' for none)")
     parser.add_argument("--router-args", default="", help="extra kvrouter router flags")
     parser.add_argument("--json", type=Path, help="write the report here too")
     args = parser.parse_args(argv)
+    extra = args.router_args.split()
     try:
         peers = installed(args.peers)
         levels = tuple(int(c) for c in args.concurrency.split(",") if c)
@@ -296,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = [int(w) for w in args.workers.split(",") if w]
     except ValueError as exc:
         parser.error(str(exc))
-    if not (levels or rates) or min(levels, default=1) < 1 or not workers or min(workers) < 1:
+    if not (levels or rates) or min(levels, default=1) < 1 or min(workers, default=1) < 1:
         parser.error("--concurrency and --workers take positive integers")
     if rates and not all(0 < r < math.inf for r in rates):
         parser.error("--rates takes positive numbers")
@@ -318,15 +307,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     with LocalStack(config).start() as stack:
         targets: dict[str, list[str]] = {DIRECT: stack.replica_urls}
         pids: dict[str, int | None] = {}
-        base = port_block(len(workers))
-        for i, count in enumerate(workers):
-            name, port = f"kvrouter-w{count}", base + i
-            url = f"http://127.0.0.1:{port}"
-            argv_ = _router_argv(stack, port, count, args.router_args.split())
-            stack.spawn(name, argv_, f"{url}/health")
-            _wait_replicas(url, config.replicas)
-            targets[name] = [url]
+        for count in workers:
+            name = f"kvrouter-w{count}"
+            targets[name] = [start_kvrouter(stack, name, workers=count, extra=extra)]
             pids[name] = stack.pid(name)
+        if args.embedded:
+            targets[EMBEDDED] = [start_kvrouter(stack, EMBEDDED, workers=None, extra=extra)]
+            pids[EMBEDDED] = stack.pid(EMBEDDED)
         for name, url in start_peers(stack, peers).items():
             targets[name] = [url]
             pids[name] = stack.pid(name)

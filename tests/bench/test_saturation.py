@@ -24,7 +24,7 @@ def test_a_tiny_run_measures_every_target_at_every_level(tmp_path: Path) -> None
     assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     targets = report["targets"]
-    assert set(targets) == {"direct", "kvrouter-w1", "kvrouter-w2"}
+    assert set(targets) == {"direct", "kvrouter-w1", "kvrouter-w2", "kvrouter-embedded"}
     for name, levels in targets.items():
         assert set(levels) == {"1", "4", "20/s"}
         for row in levels.values():
@@ -35,7 +35,7 @@ def test_a_tiny_run_measures_every_target_at_every_level(tmp_path: Path) -> None
                 assert row["cpu_ms_per_request"] > 0  # read from the router's process tree
                 assert "added_p50_ms" in row
     assert report["saturation"]["kvrouter-w2"] > 0
-    assert "kvrouter-w2" in render(targets)
+    assert "kvrouter-w2" in render(targets) and "kvrouter-embedded" in render(targets)
 
 
 def test_bad_arguments_are_refused() -> None:
