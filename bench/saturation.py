@@ -24,9 +24,12 @@ every target completes about the same requests/s and time moves between the firs
 and the rest of the stream; at a fixed offered rate TTFT compares like for like. A request
 that would exceed ``MAX_OPEN`` in flight is counted as an error instead of being sent.
 
+Each level's ``--seconds`` per target are cut into ``--rounds`` turns over the targets (3 by
+default), so that outside load on the shared host falls on every target alike.
+
     python -m bench.saturation [--concurrency 1,8,32,128] [--rates 100,200,400,600]
-        [--seconds 6] [--workers 1,2] [--no-embedded] [--peers smg,vllm-kv,vllm-cache]
-        [--json FILE]
+        [--seconds 6] [--rounds 3] [--workers 1,2] [--no-embedded]
+        [--peers smg,vllm-kv,vllm-cache] [--json FILE]
 
 Every process shares the machine's cores with the load generator (its CPU per request is
 reported too): compare targets within one run.
@@ -66,6 +69,7 @@ class Plan:
     concurrency: tuple[int, ...] = (1, 8, 32, 128)
     rates: tuple[float, ...] = ()
     seconds: float = 6.0
+    rounds: int = 3
     warmup_s: float = 1.0
     output_tokens: int = 16
     groups: int = 8
@@ -103,9 +107,11 @@ async def closed_streams(
     concurrency: int,
     seconds: float,
     output_tokens: int,
+    into: Level | None = None,
 ) -> Level:
-    """``concurrency`` streams in flight until ``seconds`` have passed (none starts after)."""
-    level = Level()
+    """``concurrency`` streams in flight until ``seconds`` have passed (none starts after);
+    the samples go ``into`` a level of earlier rounds when given."""
+    level = into if into is not None else Level()
     deadline = time.monotonic() + seconds
 
     async def worker() -> None:
@@ -114,7 +120,7 @@ async def closed_streams(
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    level.seconds = time.perf_counter() - start
+    level.seconds += time.perf_counter() - start
     return level
 
 
@@ -126,12 +132,15 @@ async def open_streams(
     rate: float,
     seconds: float,
     output_tokens: int,
+    into: Level | None = None,
+    round_: int = 0,
 ) -> Level:
-    """Poisson arrivals at ``rate`` per second for ``seconds`` (seeded by the rate: every
-    target gets the same arrival times), each a stream of its own; waits for the last."""
-    level = Level()
+    """Poisson arrivals at ``rate`` per second for ``seconds`` (seeded by the rate and the
+    round: every target gets the same arrival times), each a stream of its own; waits for
+    the last. The samples go ``into`` a level of earlier rounds when given."""
+    level = into if into is not None else Level()
     inflight: set[asyncio.Task[None]] = set()
-    arrivals = random.Random(int(rate * 1000))
+    arrivals = random.Random(int(rate * 1000) + 7919 * round_)
     start = time.perf_counter()
     at = arrivals.expovariate(rate)
     while at < seconds:
@@ -147,7 +156,7 @@ async def open_streams(
             task.add_done_callback(inflight.discard)
         at += arrivals.expovariate(rate)
     await asyncio.gather(*inflight)
-    level.seconds = time.perf_counter() - start
+    level.seconds += time.perf_counter() - start
     return level
 
 
@@ -159,46 +168,67 @@ def level_name(level: int | float, *, rate: bool) -> str:
 async def drive(
     targets: dict[str, list[str]], pids: dict[str, int | None], plan: Plan
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """Every level, every target; rows by target, then by level (as a string)."""
+    """Every level, every target; rows by target, then by level (as a string).
+
+    A level's ``seconds`` per target are cut into ``plan.rounds`` rounds that visit the
+    targets in turn, each round starting one target further on: a spell of outside load on
+    the host (these benchmarks share it with everything) falls on every target alike instead
+    of on whichever one was being measured.
+    """
     bodies = Bodies(plan.groups)
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
     timeout = aiohttp.ClientTimeout(total=60.0)
     report: dict[str, dict[str, dict[str, float]]] = {name: {} for name in targets}
     steps = [(c, False) for c in plan.concurrency] + [(r, True) for r in plan.rates]
+    names = list(targets)
+    seconds = plan.seconds / plan.rounds
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         for level, is_rate in steps:
-            for name, urls in targets.items():
-                target = Target(name, urls)
-                # connections opened, every group's prefix cached, tokenizer caches warm
-                await closed_streams(
-                    client,
-                    target,
-                    bodies,
-                    concurrency=8 if is_rate else int(level),
-                    seconds=plan.warmup_s,
-                    output_tokens=plan.output_tokens,
-                )
-                pid = pids.get(name)
-                cpu = cpu_seconds(pid) if pid is not None else None
-                mine = cpu_seconds(None)
-                if is_rate:
-                    run = await open_streams(
-                        client,
-                        target,
-                        bodies,
-                        rate=level,
-                        seconds=plan.seconds,
-                        output_tokens=plan.output_tokens,
-                    )
-                else:
-                    run = await closed_streams(
-                        client,
-                        target,
-                        bodies,
-                        concurrency=int(level),
-                        seconds=plan.seconds,
-                        output_tokens=plan.output_tokens,
-                    )
+            runs = {name: Level() for name in names}
+            cpu = dict.fromkeys(names, 0.0)
+            client_cpu = dict.fromkeys(names, 0.0)
+            for round_ in range(plan.rounds):
+                turn = round_ % len(names)
+                for name in names[turn:] + names[:turn]:
+                    target = Target(name, targets[name])
+                    if round_ == 0:
+                        # connections opened, every group's prefix cached, caches warm
+                        await closed_streams(
+                            client,
+                            target,
+                            bodies,
+                            concurrency=8 if is_rate else int(level),
+                            seconds=plan.warmup_s,
+                            output_tokens=plan.output_tokens,
+                        )
+                    pid = pids.get(name)
+                    before = cpu_seconds(pid) if pid is not None else 0.0
+                    mine = cpu_seconds(None)
+                    if is_rate:
+                        await open_streams(
+                            client,
+                            target,
+                            bodies,
+                            rate=level,
+                            seconds=seconds,
+                            output_tokens=plan.output_tokens,
+                            into=runs[name],
+                            round_=round_,
+                        )
+                    else:
+                        await closed_streams(
+                            client,
+                            target,
+                            bodies,
+                            concurrency=int(level),
+                            seconds=seconds,
+                            output_tokens=plan.output_tokens,
+                            into=runs[name],
+                        )
+                    client_cpu[name] += cpu_seconds(None) - mine
+                    if pid is not None:
+                        cpu[name] += cpu_seconds(pid) - before
+            for name, run in runs.items():
                 done = max(1, len(run.ttft))
                 row = {
                     "requests": float(len(run.ttft)),
@@ -209,10 +239,10 @@ async def drive(
                     "ttft_p99_ms": percentile(run.ttft, 99) * 1e3,
                     "gap_p50_ms": percentile(run.gaps, 50) * 1e3,
                     "gap_p99_ms": percentile(run.gaps, 99) * 1e3,
-                    "client_cpu_ms_per_request": (cpu_seconds(None) - mine) * 1e3 / done,
+                    "client_cpu_ms_per_request": client_cpu[name] * 1e3 / done,
                 }
-                if pid is not None and cpu is not None:
-                    row["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu) * 1e3 / done
+                if pids.get(name) is not None:
+                    row["cpu_ms_per_request"] = cpu[name] * 1e3 / done
                 report[name][level_name(level, rate=is_rate)] = row
     for name, levels in report.items():
         for key, row in levels.items():
@@ -262,6 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--rates", default="", help="open-loop levels: Poisson arrivals per second (after those)"
     )
     parser.add_argument("--seconds", type=float, default=Plan.seconds, help="per level and target")
+    parser.add_argument(
+        "--rounds", type=int, default=Plan.rounds, help="turns over the targets per level"
+    )
     parser.add_argument("--output-tokens", type=int, default=Plan.output_tokens)
     parser.add_argument("--step-ms", type=float, default=Plan.step_ms, help="engine step (real)")
     parser.add_argument(
@@ -287,12 +320,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if not (levels or rates) or min(levels, default=1) < 1 or min(workers, default=1) < 1:
         parser.error("--concurrency and --workers take positive integers")
+    if args.rounds < 1 or args.seconds <= 0:
+        parser.error("--rounds and --seconds must be positive")
     if rates and not all(0 < r < math.inf for r in rates):
         parser.error("--rates takes positive numbers")
     plan = Plan(
         concurrency=levels,
         rates=rates,
         seconds=args.seconds,
+        rounds=args.rounds,
         output_tokens=args.output_tokens,
         step_ms=args.step_ms,
     )

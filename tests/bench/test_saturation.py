@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
 def test_a_tiny_run_measures_every_target_at_every_level(tmp_path: Path) -> None:
     out = tmp_path / "saturation.json"
-    argv = ["--concurrency", "1,4", "--rates", "20", "--seconds", "0.5", "--workers", "1,2"]
+    argv = ["--concurrency", "1,4", "--rates", "20", "--seconds", "0.6", "--rounds", "2"]
+    argv += ["--workers", "1,2"]
     argv += ["--peers", ""]
     assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -45,6 +46,8 @@ def test_bad_arguments_are_refused() -> None:
         main(["--peers", "nginx"])
     with pytest.raises(SystemExit):
         main(["--rates", "0"])
+    with pytest.raises(SystemExit):
+        main(["--rounds", "0"])
 
 
 async def test_open_loop_arrivals_do_not_wait_for_answers() -> None:
