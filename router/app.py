@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from router.auth import KeyCheck, load_keys
 from router.baselines import Tools, make_baseline
-from router.breaker import GuardedIndex
+from router.breaker import GuardedIndex, LoopLag
 from router.config import RouterSettings
 from router.errors import AuthError, BadRequestError, RouterError, openai_error_body, status_of
 from router.estimator import SpeedBook
@@ -76,6 +76,7 @@ class Router:
             engine_stale_s=settings.metrics_stale_s,
         )
         self.speeds = SpeedBook(settings.prefill_seed)
+        self.lag = LoopLag(gauge=self.metrics.loop_lag)
         self.shared = GuardedIndex(
             index,
             self.load,
@@ -84,6 +85,7 @@ class Router:
             per_block_s=settings.lookup_timeout_per_block_us / 1e6,
             failures=settings.breaker_failures,
             cooldown_s=settings.breaker_cooldown_s,
+            lag=self.lag,
         )
         self.upstream = UpstreamClient(
             connect_timeout_s=settings.connect_timeout_s,
@@ -142,6 +144,7 @@ class Router:
         return loads
 
     async def start(self) -> None:
+        await self.lag.start()
         await self.load.start()
         await self.monitor.start()
         await self._warm_up()
@@ -182,6 +185,7 @@ class Router:
         await self.monitor.stop()
         await self.shared.stop()
         await self.load.stop()
+        await self.lag.stop()
         await self.upstream.aclose()
         if self.placer.journal is not None:
             self.placer.journal.close()

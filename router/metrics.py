@@ -149,6 +149,11 @@ class RouterMetrics:
         self.breaker_open = gauge(
             "index_breaker_open", "1 while the index circuit breaker is open", workers="livemax"
         )
+        self.loop_lag = gauge(
+            "event_loop_lag_seconds",
+            "How late the event loop ran a timer, the most over the last second",
+            workers="livemax",
+        )
         self.replica_healthy = gauge(
             "replica_healthy", "1 while in rotation", ("replica",), workers="livemin"
         )

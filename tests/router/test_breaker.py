@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.breaker import CircuitBreaker, GuardedIndex
+from router.breaker import CircuitBreaker, GuardedIndex, LoopLag
 from router.load import LocalLoadBoard
 from router.metrics import RouterMetrics
 from tests.clock import ManualClock
@@ -134,3 +134,69 @@ async def test_no_prediction_without_ttl(ttl: float) -> None:
     guarded.predict(NS, "r1", [1], ttl)
     await asyncio.sleep(0)
     assert await index.lookup(NS, [1]) == {}
+
+
+async def test_loop_lag_records_how_late_a_busy_loop_runs_timers() -> None:
+    registry = CollectorRegistry()
+    lag = LoopLag(interval_s=0.01, gauge=RouterMetrics(registry).loop_lag)
+    await lag.start()
+    await asyncio.sleep(0.02)
+    asyncio.get_running_loop().call_soon(time.sleep, 0.06)  # holds the loop, never yields
+    await asyncio.sleep(0.02)
+    assert lag.seconds >= 0.04
+    assert registry.get_sample_value("kvrouter_router_event_loop_lag_seconds") == lag.seconds
+    await lag.stop()
+
+
+async def test_a_reply_late_only_because_the_loop_was_busy_is_waited_for() -> None:
+    """The index answers in 5 ms, within its 10 ms budget, but a callback holds the loop for
+    40 ms meanwhile: without the loop's lag in the budget the lookup times out (and three
+    such open the breaker for every request); with it, the answer is used."""
+    index = FlakyIndex()
+    await index.predict(NS, "r1", [1, 2, 3], 10.0)
+    index.delay = 0.005
+
+    async def busy_lookups(guarded: GuardedIndex) -> list[str | None]:
+        reasons = []
+        for _ in range(3):
+            asyncio.get_running_loop().call_soon(time.sleep, 0.04)
+            reasons.append((await guarded.view(NS, [1, 2, 3])).fallback)
+        return reasons
+
+    def guarded_index(lag: LoopLag | None) -> GuardedIndex:
+        metrics = RouterMetrics(CollectorRegistry())
+        return GuardedIndex(
+            index, LocalLoadBoard(), metrics, budget_s=0.01, failures=3, cooldown_s=5, lag=lag
+        )
+
+    blind = guarded_index(None)
+    assert await busy_lookups(blind) == ["timeout"] * 3
+    assert blind.breaker.state == "open"
+
+    lag = LoopLag(interval_s=0.01)
+    await lag.start()
+    asyncio.get_running_loop().call_soon(time.sleep, 0.04)
+    await asyncio.sleep(0.03)  # the monitor has seen the loop held up
+    aware = guarded_index(lag)
+    assert await busy_lookups(aware) == [None] * 3
+    assert aware.breaker.state == "closed"
+    await lag.stop()
+
+
+async def test_an_in_process_index_is_read_without_waiting_for_the_loop() -> None:
+    """Embedded, the index and the load board live in the router: the decision reads them
+    without suspending, so no other work of the loop can come between (and no timeout)."""
+    index = MemoryIndex()
+    await index.predict(NS, "r1", [1, 2], 10.0)
+    guarded = GuardedIndex(
+        index,
+        LocalLoadBoard(),
+        RouterMetrics(CollectorRegistry()),
+        budget_s=0.01,
+        failures=3,
+        cooldown_s=1,
+    )
+    view = guarded.view(NS, [1, 2])
+    with pytest.raises(StopIteration) as done:
+        view.send(None)  # ran to its end in one step
+    assert done.value.value.matches["r1"].blocks == 2
