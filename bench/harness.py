@@ -363,7 +363,7 @@ class Harness:
                     entry = await self._healthy(client, self.stack.entry_url)
                 # embedded, a peer took the router's place (and its index went with it): the
                 # engines' own probes said they were empty
-                embedded_peer = self._peers and self.stack.redis_url is None
+                embedded_peer = bool(self._peers) and self.stack.redis_url is None
                 blocks = 0 if embedded_peer else await self._indexed_blocks(client)
                 if all(ready) and entry >= want and blocks == 0:
                     return

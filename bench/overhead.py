@@ -6,9 +6,9 @@ one embedded kvrouter router (its own index from the engines' events, one proces
 has; ``--no-embedded`` leaves it out), plus one instance of each peer named
 (:mod:`bench.peers`) in front of the same engines. Every group's system prompt is first cached
 on both engines, so whichever engine a router picks, the request hits and costs the engine
-the same. Then, round after round, the same kind of
-request (a group's ~4,800-token system prompt and a new 150-character question, streamed
-answers of ``--output-tokens``, 64 by default) goes one at a time straight to an engine and
+the same. Then, round after round, the same kind of request (a group's ~4,800-token system
+prompt and a new 150-character question, streamed answers of ``--output-tokens``, 64 by
+default) goes one at a time straight to an engine and
 through each router, in a shuffled order; the time to the first content chunk is taken at
 the client. Reported per target: its TTFT, what it adds over the direct request of the same
 round (paired difference; p50 and p90), in real milliseconds, and the router process's CPU

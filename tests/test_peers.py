@@ -16,12 +16,25 @@ import pytest
 from bench.harness import FleetConfig, Harness
 from bench.peers import PEERS, missing
 from bench.report import summarize
-from bench.workloads import shared_prefix, with_poisson_arrivals
+from bench.workloads import Workload, shared_prefix, with_poisson_arrivals
 
 pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]
+
+
+def tiny_workload(*, prompts_per_group: int, seed: int) -> Workload:
+    """Two groups of a 600-token prefix, 8-token answers, 4 requests/s."""
+    workload = shared_prefix(
+        groups=2,
+        prompts_per_group=prompts_per_group,
+        system_tokens=600,
+        question_tokens=32,
+        output_tokens=8,
+        seed=seed,
+    )
+    return with_poisson_arrivals(workload, rate=4.0, seed=seed)
 
 
 @pytest.mark.parametrize("arm", sorted(PEERS))
@@ -31,15 +44,7 @@ def test_peer_arm_serves_the_workload_in_front_of_the_same_engines(
     absent = missing([arm])
     if absent:
         pytest.skip(f"{arm}: {absent[arm]} is not installed (pip install -e '.[peers]')")
-    workload = shared_prefix(
-        groups=2,
-        prompts_per_group=4,
-        system_tokens=600,
-        question_tokens=32,
-        output_tokens=8,
-        seed=3,
-    )
-    workload = with_poisson_arrivals(workload, rate=4.0, seed=3)
+    workload = tiny_workload(prompts_per_group=4, seed=3)
     fleet = FleetConfig(replicas=2, time_scale=1.0, num_blocks=512, workdir=tmp_path)
     [run] = Harness(fleet, workload, (arm,)).run()
     summary = summarize(run, fleet.time_scale)
@@ -56,15 +61,7 @@ def test_a_peer_arm_follows_kvrouter_in_embedded_mode(tmp_path: Path) -> None:
     arm = next((a for a in sorted(PEERS) if not missing([a])), None)
     if arm is None:
         pytest.skip("no peer router is installed (pip install -e '.[peers]')")
-    workload = shared_prefix(
-        groups=2,
-        prompts_per_group=3,
-        system_tokens=600,
-        question_tokens=32,
-        output_tokens=8,
-        seed=4,
-    )
-    workload = with_poisson_arrivals(workload, rate=4.0, seed=4)
+    workload = tiny_workload(prompts_per_group=3, seed=4)
     fleet = FleetConfig(replicas=2, time_scale=1.0, num_blocks=512, redis=False, workdir=tmp_path)
     runs = Harness(fleet, workload, ("kvrouter", arm)).run()
     assert [run.policy for run in runs] == ["kvrouter", arm]

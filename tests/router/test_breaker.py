@@ -120,17 +120,20 @@ async def test_slow_or_failing_index_falls_back_to_local_load() -> None:
     lease.release()
 
 
+def guarded_index(
+    index: MemoryIndex, *, cooldown_s: float = 1.0, lag: LoopLag | None = None
+) -> GuardedIndex:
+    """``index`` with a local load board behind a 10 ms budget and a 3-failure breaker."""
+    metrics = RouterMetrics(CollectorRegistry())
+    return GuardedIndex(
+        index, LocalLoadBoard(), metrics, budget_s=0.01, failures=3, cooldown_s=cooldown_s, lag=lag
+    )
+
+
 @pytest.mark.parametrize("ttl", [0.0, -1.0])
 async def test_no_prediction_without_ttl(ttl: float) -> None:
     index = FlakyIndex()
-    guarded = GuardedIndex(
-        index,
-        LocalLoadBoard(),
-        RouterMetrics(CollectorRegistry()),
-        budget_s=0.01,
-        failures=3,
-        cooldown_s=1,
-    )
+    guarded = guarded_index(index)
     guarded.predict(NS, "r1", [1], ttl)
     await asyncio.sleep(0)
     assert await index.lookup(NS, [1]) == {}
@@ -163,13 +166,7 @@ async def test_a_reply_late_only_because_the_loop_was_busy_is_waited_for() -> No
             reasons.append((await guarded.view(NS, [1, 2, 3])).fallback)
         return reasons
 
-    def guarded_index(lag: LoopLag | None) -> GuardedIndex:
-        metrics = RouterMetrics(CollectorRegistry())
-        return GuardedIndex(
-            index, LocalLoadBoard(), metrics, budget_s=0.01, failures=3, cooldown_s=5, lag=lag
-        )
-
-    blind = guarded_index(None)
+    blind = guarded_index(index, cooldown_s=5)
     assert await busy_lookups(blind) == ["timeout"] * 3
     assert blind.breaker.state == "open"
 
@@ -177,7 +174,7 @@ async def test_a_reply_late_only_because_the_loop_was_busy_is_waited_for() -> No
     await lag.start()
     asyncio.get_running_loop().call_soon(time.sleep, 0.04)
     await asyncio.sleep(0.03)  # the monitor has seen the loop held up
-    aware = guarded_index(lag)
+    aware = guarded_index(index, cooldown_s=5, lag=lag)
     assert await busy_lookups(aware) == [None] * 3
     assert aware.breaker.state == "closed"
     await lag.stop()
@@ -188,15 +185,7 @@ async def test_an_in_process_index_is_read_without_waiting_for_the_loop() -> Non
     without suspending, so no other work of the loop can come between (and no timeout)."""
     index = MemoryIndex()
     await index.predict(NS, "r1", [1, 2], 10.0)
-    guarded = GuardedIndex(
-        index,
-        LocalLoadBoard(),
-        RouterMetrics(CollectorRegistry()),
-        budget_s=0.01,
-        failures=3,
-        cooldown_s=1,
-    )
-    view = guarded.view(NS, [1, 2])
+    view = guarded_index(index).view(NS, [1, 2])
     with pytest.raises(StopIteration) as done:
         view.send(None)  # ran to its end in one step
     assert done.value.value.matches["r1"].blocks == 2
