@@ -248,8 +248,12 @@ def test_a_tracker_that_joins_late_rebuilds_the_index_from_vllms_replay(
         cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert again.headers[REPLICA_HEADER] == holder
         assert int(again.headers[PREDICTED_HEADER]) == cached >= 3000
-    health = _tracker_health(stack)
-    assert all(replica["synced"] for replica in health["replicas"].values()), health
+
+    def both_synced() -> bool:  # the second engine's registry entry may come a moment later
+        replicas = _tracker_health(stack)["replicas"]
+        return len(replicas) == 2 and all(replica["synced"] for replica in replicas.values())
+
+    _wait(both_synced, 30, "the late tracker tracks both engines, caught up")
     with log_path.open("rb") as f:
         f.seek(before)
         tracked = [line for line in f.read().decode().splitlines() if "replica tracked" in line]
