@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import statistics
@@ -34,7 +33,6 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
-import httpx
 
 from bench.peers import PEERS, Worker, executable, installed
 from bench.proxy_load import cpu_seconds
@@ -148,20 +146,8 @@ def start_kvrouter(
         "--model", config.model, "--block-size", str(config.block_size), *index, *extra,
     ]  # fmt: skip
     stack.spawn(name, argv, f"{url}/health")
-    _wait_replicas(url, config.replicas)
+    stack.wait_knows_replicas(name, f"{url}/health", 30.0)
     return url
-
-
-def _wait_replicas(url: str, want: int, timeout_s: float = 30.0) -> None:
-    """Until the router at ``url`` has ``want`` engines in rotation (from the registry or the
-    embedded tracker, a moment after its /health first answers)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            if int(httpx.get(f"{url}/health", timeout=1.0).json()["replicas"]["healthy"]) >= want:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} has not found {want} replicas within {timeout_s}s")
 
 
 def start_peers(stack: LocalStack, names: Sequence[str]) -> dict[str, str]:

@@ -8,14 +8,14 @@ router --redis`` per ``--workers`` value, one embedded ``kvrouter router`` (its 
 by the engines' events, one process, as each peer keeps its own; ``--no-embedded`` leaves it
 out) and one instance of each installed peer (:mod:`bench.peers`), all in front of the same
 engines. The tracker and Redis serve the Redis arms and run throughout, so every arm shares
-the host with them. Then, per concurrency level (1, 8,
-32, 128 by default) and per target, a closed loop keeps that many short streamed requests in
-flight for ``--seconds`` (a group's 1,000-token system prompt and a new question: the builtin
-byte-level tokenizer, the same requests for every target), straight to the engines
-(round-robin) or through the router. Reported per target and level: completed requests/s,
-time to the first chunk (p50 / p95 / p99) and what it adds over the engines' own at the same
-level, the gap between chunks (p99), the router's CPU per request (its process tree, from
-/proc) and errors. A target's saturation is its best requests/s over the levels.
+the host with them. Then, per concurrency level (1, 8, 32, 128 by default) and per target, a
+closed loop keeps that many short streamed requests in flight for ``--seconds`` (a group's
+1,000-token system prompt and a new question: the builtin byte-level tokenizer, the same
+requests for every target), straight to the engines (round-robin) or through the router.
+Reported per target and level: completed requests/s, time to the first chunk (p50 / p95 /
+p99) and what it adds over the engines' own at the same level, the gap between chunks (p99),
+the router's CPU per request (its process tree, from /proc) and errors. A target's
+saturation is its best requests/s over the levels.
 
 ``--rates`` adds open-loop levels: requests arrive as a Poisson process at each rate for
 ``--seconds``, whatever the answers (the same arrival times for every target), so a router
@@ -275,7 +275,7 @@ def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
             cpu = f"{row['cpu_ms_per_request']:>8.2f}" if "cpu_ms_per_request" in row else " " * 8
             lines.append(
                 f"{name:<18} {level:>7} {row['rps']:>7.0f} {row['ttft_p50_ms']:>9.2f} "
-                f"{row.get('ttft_p95_ms', math.nan):>8.2f} {row['ttft_p99_ms']:>8.2f} {added} "
+                f"{row['ttft_p95_ms']:>8.2f} {row['ttft_p99_ms']:>8.2f} {added} "
                 f"{row['gap_p99_ms']:>8.2f} {cpu} "
                 f"{int(row['errors']):>6}"
             )

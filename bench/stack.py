@@ -192,6 +192,11 @@ class _Proc:
     port: int | None = None  # waited for when there is no health URL
 
 
+def _routed_replicas(body: dict[str, Any]) -> int:
+    """A router's /health: how many engines it has in rotation."""
+    return int(body["replicas"]["healthy"])
+
+
 @dataclass
 class LocalStack:
     """Start with :meth:`start` (or ``with``); URLs are known after construction."""
@@ -467,9 +472,8 @@ class LocalStack:
         return self
 
     def _wait_assembled(self, timeout_s: float) -> None:
-        want = self.config.replicas
         checks: list[tuple[str, str, Callable[[dict[str, Any]], int]]] = [
-            (f"router-{i}", f"{url}/health", lambda body: int(body["replicas"]["healthy"]))
+            (f"router-{i}", f"{url}/health", _routed_replicas)
             for i, url in enumerate(self.router_urls)
         ]
         if "tracker" in self._procs:
@@ -482,16 +486,30 @@ class LocalStack:
             )
         deadline = time.monotonic() + timeout_s
         for name, url, count in checks:
-            proc = self._procs[name]
-            seen = -1
-            while seen < want:
-                self._check_alive(proc)
-                if time.monotonic() > deadline:
-                    raise StackError(f"{name} knows {seen} of {want} replicas after {timeout_s}s")
-                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-                    seen = count(httpx.get(url, timeout=1.0).json())
-                if seen < want:
-                    time.sleep(0.1)
+            self.wait_knows_replicas(name, url, deadline - time.monotonic(), count)
+
+    def wait_knows_replicas(
+        self,
+        name: str,
+        url: str,
+        timeout_s: float,
+        count: Callable[[dict[str, Any]], int] = _routed_replicas,
+    ) -> None:
+        """Until process ``name`` says at ``url`` (its /health) that it knows every engine
+        (``count`` of the body: by default a router's engines in rotation, which it finds in
+        the registry or its embedded tracker a moment after /health first answers)."""
+        want = self.config.replicas
+        proc = self._procs[name]
+        deadline = time.monotonic() + timeout_s
+        seen = -1
+        while seen < want:
+            self._check_alive(proc)
+            if time.monotonic() > deadline:
+                raise StackError(f"{name} knows {seen} of {want} replicas after {timeout_s:.0f}s")
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+                seen = count(httpx.get(url, timeout=1.0).json())
+            if seen < want:
+                time.sleep(0.1)
 
     def _launch(self, proc: _Proc, extra_args: Sequence[str] = ()) -> None:
         proc.popen = subprocess.Popen(
