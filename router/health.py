@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -22,6 +22,7 @@ from router.load import LoadBoard
 from router.metrics import RouterMetrics
 from router.replicas import EngineLoad, Replica, ReplicaSet
 from router.upstream import UpstreamClient, failure_kind
+from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
 from tracker.index import BlockIndex
 from tracker.lifecycle import cancel_and_wait
@@ -212,41 +213,80 @@ class ReplicaMonitor:
     # ------------------------------------------------------------------ engine metrics
 
     async def scrape_engines(self) -> None:
-        """Read every healthy replica's engine gauges once, with every router's requests in
-        flight on it at that moment: the part of its KV usage that finishes with them."""
+        """Read every healthy replica's engine gauges once, with how many of its requests are
+        the routers': the part of its KV usage that finishes with them.
+
+        The rest is outside traffic, but only once seen in two scrapes in a row. A request
+        that a router sends while the gauges are read, or that another router's board entry
+        shows a few milliseconds late, ran on the engine uncounted; taken as outside traffic
+        whose blocks may never free, it priced the engine as nearly full until the next
+        scrape, and the next prompt of its group left home (tests/test_topology.py under
+        eviction pressure, on a loaded host). The routers' counts bracket the read (the board
+        before and after it), which narrows that window but cannot close it for a request
+        that starts and ends inside it. Real outside traffic is noticed a scrape later.
+        """
         healthy = [r for r in self.replicas.all() if r.healthy]
         if self.load is None:
-            await asyncio.gather(*(self._scrape(r, None) for r in healthy))
+            read = await asyncio.gather(*(self._scrape(r) for r in healthy))
+            self._adopt(healthy, read, None, None)
             return
+        namespaces = {r.namespace for r in healthy}
+        before = await self._routed(namespaces)
+        read = await asyncio.gather(*(self._scrape(r) for r in healthy))
+        self._adopt(healthy, read, before, await self._routed(namespaces))
+
+    async def _routed(self, namespaces: Iterable[Namespace]) -> dict[str, int]:
+        """Every router's requests in flight per replica now (this router's own when the board
+        is unreachable)."""
+        assert self.load is not None
         routed: dict[str, int] = {}
-        for namespace in {r.namespace for r in healthy}:
+        for namespace in namespaces:
             try:
                 loads = await self.load.snapshot(namespace)
             except IndexUnavailableError:
                 loads = self.load.local_snapshot(namespace)
             routed.update((replica, load.inflight) for replica, load in loads.items())
-        await asyncio.gather(*(self._scrape(r, routed.get(r.id, 0)) for r in healthy))
+        return routed
 
-    async def _scrape(self, replica: Replica, routed: int | None) -> None:
-        """One replica's gauges; ``routed``: the routers' requests on it then (None: unknown)."""
+    def _adopt(
+        self,
+        replicas: Sequence[Replica],
+        read: Sequence[EngineLoad | None],
+        before: Mapping[str, int] | None,
+        after: Mapping[str, int] | None,
+    ) -> None:
+        for replica, gauges in zip(replicas, read, strict=True):
+            if gauges is None:
+                continue  # stale values expire; health checks judge the replica
+            engine = gauges
+            if before is not None and after is not None:
+                total = (gauges.running or 0) + (gauges.waiting or 0)
+                counted = max(before.get(replica.id, 0), after.get(replica.id, 0))
+                unrouted = max(0, total - counted)
+                last = replica.engine.unrouted if replica.engine is not None else 0
+                engine = dataclasses.replace(
+                    gauges, routed=total - min(unrouted, last), unrouted=unrouted
+                )
+            replica.engine = engine
+            if engine.cache_blocks is not None:
+                replica.cache_blocks = engine.cache_blocks
+
+    async def _scrape(self, replica: Replica) -> EngineLoad | None:
+        """One replica's gauges, or None if they could not be read."""
         async with self._limit:
             try:
                 status, text = await self.upstream.get(
                     replica.id, replica.url, "/metrics", timeout_s=self.health_timeout_s
                 )
             except UpstreamError:
-                return  # stale values expire; health checks judge the replica
+                return None
         if status != 200:
-            return
+            return None
         try:
-            engine = dataclasses.replace(
-                parse_engine_metrics(text, time.monotonic()), routed=routed
-            )
-            replica.engine = engine
-            if engine.cache_blocks is not None:
-                replica.cache_blocks = engine.cache_blocks
+            return parse_engine_metrics(text, time.monotonic())
         except ValueError as exc:
             logger.debug("unparsable engine metrics", extra={"replica": replica.id, "error": exc})
+            return None
 
 
 def parse_adapters(text: str, model: str) -> frozenset[str]:

@@ -153,9 +153,9 @@ class ReplicaState:
         mean; from the rate its events store new blocks); None when unknown.
     :param home_blocks: how much of the prompt's chain routers last sent here (its home
         claim, faded with age), whether or not those blocks are still cached.
-    :param routed_at_scrape: the routers' requests in flight on it when ``kv_usage`` was
-        scraped (the rest of ``engine_running`` came from other clients); None: unknown,
-        every running request counts as the routers'.
+    :param routed_at_scrape: of the engine's requests when ``kv_usage`` was scraped, those
+        taken as the routers' (the rest came from other clients: ``EngineLoad.routed``);
+        None: unknown, every running request counts as the routers'.
     :param valued_blocks: the blocks of its cache that routed requests reused lately
         (:class:`router.reuse.ReuseBook`): what new blocks would push out at a cost; the
         rest of ``resident_blocks`` is finished requests' own blocks, free to evict. None:

@@ -31,7 +31,10 @@ class EngineLoad:
     kv_usage: float | None
     at: float
     cache_blocks: int | None = None
-    routed: int | None = None  # every router's requests in flight on it when scraped
+    # of its running and waiting requests, those taken as the routers' (None: unknown): all
+    # but outside traffic seen in this scrape and the one before (router.health)
+    routed: int | None = None
+    unrouted: int = 0  # its requests no router counted at this scrape alone
 
 
 @dataclass(slots=True)
