@@ -4,6 +4,7 @@ primary with a replica and three Sentinels, and a Redis Cluster."""
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -11,7 +12,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import redis
@@ -25,10 +26,38 @@ from tracker.redis_client import (
     parse_sentinel_url,
 )
 
+_PORT_RANGE_FILE: Final = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT: Final = 10_000
+_pick = random.SystemRandom()  # not the random module's state, which tests may seed
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux; its default elsewhere)."""
+    try:
+        low, high = (int(part) for part in _PORT_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return 32_768, 60_999
+    return low, high
+
 
 def free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    with socket.socket() as sock:
+    """A loopback port nothing listens on right now, outside the ephemeral range.
+
+    The port is handed to a process that binds it later. A port the kernel chose (bind to
+    0) comes from the ephemeral range, where any outgoing connection meanwhile may take it:
+    a test's engine then failed to start with "Address already in use" (CI, 2026-12-04).
+    """
+    low, high = _ephemeral_ports()
+    ports = [*range(_LOWEST_PORT, low), *range(high + 1, 65_536)]
+    for _ in range(100) if ports else ():
+        port: int = _pick.choice(ports)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # every candidate taken: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 

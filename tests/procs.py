@@ -13,6 +13,8 @@ def free_ports(count: int) -> int:
     """A first port such that ``count`` consecutive loopback ports are free."""
     for _ in range(50):
         first = free_port()
+        if first + count > 65_536:
+            continue
         socks = []
         try:
             for port in range(first, first + count):

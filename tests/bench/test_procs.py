@@ -1,0 +1,31 @@
+"""Loopback ports handed to processes that bind them later."""
+
+from __future__ import annotations
+
+import socket
+
+from bench.procs import _ephemeral_ports, free_port
+from tests.procs import free_ports
+
+
+def test_free_ports_are_bindable_and_outside_the_ephemeral_range() -> None:
+    """An outgoing connection may take an ephemeral port before its process binds it."""
+    low, high = _ephemeral_ports()
+    for _ in range(50):
+        port = free_port()
+        assert not low <= port <= high, port
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_run_of_free_ports_fits_below_the_last_port() -> None:
+    for _ in range(50):
+        first = free_ports(8)
+        assert first + 8 <= 65_536
+        socks = [socket.socket() for _ in range(8)]
+        try:
+            for offset, sock in enumerate(socks):
+                sock.bind(("127.0.0.1", first + offset))
+        finally:
+            for sock in socks:
+                sock.close()
