@@ -25,7 +25,7 @@ from router.load import Load, LoadBoard, RedisLoadBoard
 from router.metrics import RouterMetrics
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
-from tracker.index import BlockIndex, Home, Match, Residency
+from tracker.index import BlockIndex, Home, Match, MemoryIndex, Residency
 from tracker.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -269,14 +269,25 @@ class GuardedIndex:
         anchors: Sequence[int] = (),
         home_ttl_s: float = 0.0,
     ) -> None:
-        """Record in the background that ``replica`` is about to hold ``keys`` and is the
-        home of ``anchors`` (:meth:`tracker.index.BlockIndex.claim`)."""
+        """Record that ``replica`` is about to hold ``keys`` and is the home of ``anchors``
+        (:meth:`tracker.index.BlockIndex.claim`): at once in an index in this process, in
+        the background in a remote one."""
         keys = keys if ttl_s > 0 else ()
         anchors = anchors if home_ttl_s > 0 else ()
         if not keys and not anchors:
             return
         if self.breaker.state != "closed" or len(self._pending) >= MAX_PENDING_PREDICTIONS:
             self.metrics.predictions.labels("skipped").inc()
+            return
+        if isinstance(self.index, MemoryIndex):
+            # In this process: recorded now. As a task, a request tokenized meanwhile (its
+            # resumption queued first) was placed without the first's prediction or home and
+            # copied a new prefix to an idle engine (tests/router/test_startup_copies.py, on
+            # a loaded host).
+            self.index.record_route(
+                namespace, replica, keys, ttl_s=ttl_s, anchors=anchors, home_ttl_s=home_ttl_s
+            )
+            self.metrics.predictions.labels("ok").inc()
             return
         task = asyncio.get_running_loop().create_task(
             self._predict(namespace, replica, (list(keys), ttl_s), (list(anchors), home_ttl_s))

@@ -85,7 +85,8 @@ Defaults and where they come from:
   cost are a tie (the estimate is a line through noisy TTFTs: a cold 5k-token prefill on
   the benchmark's engines took 460-520 ms against one fitted value). A near-tie (beyond
   1 ms) goes to the prompt's home, then to the one that holds most of the prompt; an exact
-  one to the fewest requests in flight, then at random. A copy
+  one to the one that holds most of the prompt, then to the fewest requests in flight,
+  then at random. A copy
   that saves 4 % of one request's TTFT by the estimate costs cache the score cannot see
   while the caches have room.
   ``temperature > 0`` instead samples with probability ``exp((score - best) / temperature)``
@@ -324,7 +325,10 @@ def _near_order(score: Score) -> tuple[int, int]:
     prompt's home (after an eviction every replica misses, and near-ties drew groups off
     their homes; tests/test_topology.py), then the one holding most of the prompt (a copy
     elsewhere costs cache the score cannot see while the caches have room). Exact ties
-    (``tie_epsilon_ms``) keep the draw by :func:`_busyness`."""
+    (``tie_epsilon_ms``) go to the deepest chain, then keep the draw by :func:`_busyness`:
+    a new prompt's second request, waiting behind its first's prefill where the prompt is
+    predicted, came within 1 ms of an idle engine on a loaded host and went there for being
+    idle (tests/router/test_startup_copies.py)."""
     return round(score.split_tokens), -score.matched_tokens
 
 
@@ -506,6 +510,9 @@ def decide(
         if len(near) > len(tied):  # within the estimate's error: the home, the deepest chain
             first = min(_near_order(scores[i]) for i in near)
             tied = [i for i in near if _near_order(scores[i]) == first]
+        else:  # an exact tie: the deepest chain
+            deepest = max(scores[i].matched_tokens for i in tied)
+            tied = [i for i in tied if scores[i].matched_tokens == deepest]
         if len(tied) > 1:  # the least busy; at random
             fewest = min(_busyness(candidates[i], fleet) for i in tied)
             tied = [i for i in tied if _busyness(candidates[i], fleet) == fewest]

@@ -428,12 +428,7 @@ class MemoryIndex:
     async def claim(
         self, namespace: Namespace, replica: str, anchors: Sequence[int], ttl_s: float
     ) -> None:
-        table = self._homes.setdefault(namespace.base(), {})
-        now = time.monotonic()
-        for key in anchors:
-            table[key] = (replica, now, now + ttl_s)
-        if len(table) > _PREDICTION_SWEEP and self._sweep_at <= now:
-            self._sweep_predictions(now)
+        self.record_route(namespace, replica, (), ttl_s=0.0, anchors=anchors, home_ttl_s=ttl_s)
 
     async def route(
         self,
@@ -445,14 +440,29 @@ class MemoryIndex:
         anchors: Sequence[int],
         home_ttl_s: float,
     ) -> None:
-        await self.predict(namespace, replica, keys, ttl_s)
-        await self.claim(namespace, replica, anchors, home_ttl_s)
+        self.record_route(
+            namespace, replica, keys, ttl_s=ttl_s, anchors=anchors, home_ttl_s=home_ttl_s
+        )
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
     ) -> None:
-        table = self._predictions.setdefault(namespace.base(), {})
+        self.record_route(namespace, replica, keys, ttl_s=ttl_s, anchors=(), home_ttl_s=0.0)
+
+    def record_route(
+        self,
+        namespace: Namespace,
+        replica: str,
+        keys: Sequence[int],
+        *,
+        ttl_s: float,
+        anchors: Sequence[int],
+        home_ttl_s: float,
+    ) -> None:
+        """:meth:`route` at once, without a turn of the event loop: a router in the same
+        process records a request before the next decision can read the index."""
         now = time.monotonic()
+        table = self._predictions.setdefault(namespace.base(), {})
         expiry = now + ttl_s
         for key in keys:
             entry = table.get(key)
@@ -462,7 +472,10 @@ class MemoryIndex:
                 for r in [r for r, e in entry.items() if e <= now]:
                     del entry[r]
                 entry[replica] = expiry
-        if len(table) > _PREDICTION_SWEEP and self._sweep_at <= now:
+        homes = self._homes.setdefault(namespace.base(), {})
+        for key in anchors:
+            homes[key] = (replica, now, now + home_ttl_s)
+        if max(len(table), len(homes)) > _PREDICTION_SWEEP and self._sweep_at <= now:
             self._sweep_predictions(now)
 
     def _sweep_predictions(self, now: float) -> None:

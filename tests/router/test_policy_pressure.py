@@ -192,6 +192,22 @@ def test_ties_go_to_the_least_busy() -> None:
     assert set(drawn) == {"home", "other"}
 
 
+def test_an_exact_tie_goes_to_the_deepest_chain_before_the_least_busy() -> None:
+    """Waiting for 32 queued tokens where 32 of the prompt are cached costs what prefilling
+    them does on an idle engine: the engine that holds more of the prompt gets it (a new
+    prompt's second request, predicted where its first prefilled, went to the idle engine on
+    a loaded host; tests/router/test_startup_copies.py)."""
+    room = {"cache_blocks": 1000, "resident_blocks": 0}
+    idle = ReplicaState("idle", **room)
+    holder = ReplicaState(
+        "holder", matched_blocks=2, queued_prefill_tokens=32, recent_inflight=1.0, **room
+    )
+    scores = decide(100, [idle, holder], CONFIG, random.Random(0)).scores
+    assert abs(scores[0].score - scores[1].score) < CONFIG.tie_epsilon_ms  # an exact tie
+    assert all(decide(100, [idle, holder], CONFIG, random.Random(s)).replica == "holder"
+               for s in range(20))  # fmt: skip
+
+
 def test_a_copy_left_by_outside_traffic_does_not_pull_a_group_from_home() -> None:
     """A client that bypasses the routers left the prefix on another engine: routing there
     would keep two copies alive in full caches; the group stays home, which also holds it."""
