@@ -56,6 +56,9 @@ class BenchSettings(LogSettings):
     replicas: int | None = setting(None, "simulated engines (default 8; quick 4)")
     routers: int = setting(1, "routers (more than 1: behind haproxy, sharing load via Redis)")
     embedded: bool = setting(False, "one router with its in-process tracker, no Redis")
+    local_index: bool = setting(
+        False, "each router keeps its own index from the engines' events; Redis shares the load"
+    )
     time_scale: float | None = setting(
         None, "engine time scale: real seconds per simulated second (default 20; quick 2)"
     )
@@ -121,6 +124,8 @@ class BenchSettings(LogSettings):
             raise ConfigError("load must be in (0, 10]")
         if self.routers < 1 or (self.embedded and self.routers != 1):
             raise ConfigError("routers must be >= 1 (exactly 1 when embedded)")
+        if self.embedded and self.local_index:
+            raise ConfigError("local-index: not with embedded (its index is local already)")
         if not 0 <= self.bypass < 1:
             raise ConfigError("bypass must be in [0, 1)")
         if self.restart_engine_at_s is not None and self.restart_engine_at_s < 0:
@@ -236,6 +241,7 @@ def plan(settings: BenchSettings) -> Plan:
         replicas=replicas,
         routers=settings.routers,
         redis=not settings.embedded,
+        local_index=settings.local_index,
         # real engines run in real time, on the block size vLLM's CPU attention takes
         time_scale=1.0 if vllm else settings.time_scale or (2.0 if quick else 20.0),
         num_blocks=num_blocks,

@@ -86,6 +86,7 @@ class FleetConfig:
     replicas: int = 8
     routers: int = 1
     redis: bool = True
+    local_index: bool = False
     time_scale: float = 10.0
     num_blocks: int = 4096
     block_size: int = 16
@@ -131,6 +132,7 @@ class FleetConfig:
             routers=self.routers if self.redis else 1,
             redis=self.redis,
             haproxy=self.redis and self.routers > 1,
+            local_index=self.local_index,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             profile=self.profile,

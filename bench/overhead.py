@@ -121,26 +121,36 @@ async def measure(
 
 
 EMBEDDED: Final = "kvrouter-embedded"
+LOCAL_INDEX: Final = "kvrouter-local"
 
 
 def start_kvrouter(
-    stack: LocalStack, name: str, *, workers: int | None, extra: Sequence[str] = ()
+    stack: LocalStack,
+    name: str,
+    *,
+    workers: int | None,
+    extra: Sequence[str] = (),
+    local_index: bool = False,
 ) -> str:
     """One more ``kvrouter router`` in front of the stack's engines, started under the stack's
     control (process name = ``name``) and serving once it routes to every engine; its URL.
 
-    With ``workers`` it shares the stack's Redis (index, load) with that many processes;
-    ``workers=None`` is the embedded mode: one process whose own tracker reads the engines'
-    events, as each peer keeps an index of its own.
+    With ``workers`` it shares the stack's Redis (index, load) with that many processes, or
+    with ``local_index`` the load only, each process keeping its own index from the engines'
+    events; ``workers=None`` is the embedded mode: one process whose own tracker reads the
+    engines' events, as each peer keeps an index of its own.
     """
     port = port_block(1)
     url = f"http://127.0.0.1:{port}"
     config = stack.config
+    replicas = [flag for spec in stack.replica_specs() for flag in ("--replica", spec)]
     if workers is None:
-        index = [flag for spec in stack.replica_specs() for flag in ("--replica", spec)]
+        index = replicas
     else:
         assert stack.redis_url is not None
         index = ["--redis", stack.redis_url, "--workers", str(workers)]
+        if local_index:
+            index += ["--local-index", *replicas]
     argv = [
         kvrouter_bin(), "router", "--port", str(port), "--router-id", name,
         "--model", config.model, "--block-size", str(config.block_size), *index, *extra,

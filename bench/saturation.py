@@ -4,9 +4,11 @@ saturation.
 
 Starts two simulated engines (one process each; every engine step takes ``--step-ms`` real
 milliseconds, so the engines are not the bottleneck), Redis, the tracker, one ``kvrouter
-router --redis`` per ``--workers`` value, one embedded ``kvrouter router`` (its own index fed
-by the engines' events, one process, as each peer keeps its own; ``--no-embedded`` leaves it
-out) and one instance of each installed peer (:mod:`bench.peers`), all in front of the same
+router --redis`` per ``--workers`` value, one ``kvrouter router --redis --local-index`` (its
+own index fed by the engines' events, the load shared through Redis off the request path;
+``--no-local-index`` leaves it out), one embedded ``kvrouter router`` (its own index, no
+Redis, one process, as each peer keeps its own; ``--no-embedded`` leaves it out) and one
+instance of each installed peer (:mod:`bench.peers`), all in front of the same
 engines. The tracker and Redis serve the Redis arms and run throughout, so every arm shares
 the host with them. Then, per concurrency level (1, 8, 32, 128 by default) and per target, a
 closed loop keeps that many short streamed requests in flight for ``--seconds`` (a group's
@@ -28,7 +30,7 @@ Each level's ``--seconds`` per target are cut into ``--rounds`` turns over the t
 default), so that outside load on the shared host falls on every target alike.
 
     python -m bench.saturation [--concurrency 1,8,32,128] [--rates 100,200,400,600]
-        [--seconds 6] [--rounds 3] [--workers 1,2] [--no-embedded]
+        [--seconds 6] [--rounds 3] [--workers 1,2] [--no-local-index] [--no-embedded]
         [--peers smg,vllm-kv,vllm-cache] [--json FILE]
 
 Every process shares the machine's cores with the load generator (its CPU per request is
@@ -52,7 +54,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from bench.overhead import EMBEDDED, start_kvrouter, start_peers
+from bench.overhead import EMBEDDED, LOCAL_INDEX, start_kvrouter, start_peers
 from bench.peers import installed
 from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, one_stream, percentile
 from bench.stack import LocalStack
@@ -306,6 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=True,
         help="a kvrouter arm with its own index (one process, no Redis), as each peer has",
     )
+    parser.add_argument(
+        "--local-index",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a kvrouter arm with its own index and the load shared through Redis",
+    )
     parser.add_argument("--peers", default="smg,vllm-kv,vllm-cache", help="peer arms ('' for none)")
     parser.add_argument("--router-args", default="", help="extra kvrouter router flags")
     parser.add_argument("--json", type=Path, help="write the report here too")
@@ -347,6 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = f"kvrouter-w{count}"
             targets[name] = [start_kvrouter(stack, name, workers=count, extra=extra)]
             pids[name] = stack.pid(name)
+        if args.local_index:
+            targets[LOCAL_INDEX] = [
+                start_kvrouter(stack, LOCAL_INDEX, workers=1, extra=extra, local_index=True)
+            ]
+            pids[LOCAL_INDEX] = stack.pid(LOCAL_INDEX)
         if args.embedded:
             targets[EMBEDDED] = [start_kvrouter(stack, EMBEDDED, workers=None, extra=extra)]
             pids[EMBEDDED] = stack.pid(EMBEDDED)

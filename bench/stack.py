@@ -163,6 +163,9 @@ class StackConfig:
     # this many seconds (kvrouter tracker --lease-ttl-s)
     tracker_lease_s: float = 0.0
     haproxy: bool = True
+    # each router keeps its own index, fed by every engine's events, and shares only the
+    # load through Redis (kvrouter router --local-index)
+    local_index: bool = False
     model: str = "default"
     block_size: int = 16
     num_blocks: int = 4096
@@ -327,7 +330,8 @@ class LocalStack:
                 self._add_replicas(name, first, count, [*ids, *redis_flags])
         # engines nobody registers are given to every process
         static = not cfg.redis or (cfg.vllm is not None and not cfg.vllm.attach)
-        specs = [f for s in self.replica_specs() for f in ("--replica", s)] if static else []
+        every = [f for s in self.replica_specs() for f in ("--replica", s)]
+        specs = every if static else []
         vllm_flags = []
         if cfg.vllm is not None:
             model = str(cfg.vllm.model)
@@ -337,6 +341,8 @@ class LocalStack:
             if static:
                 tracker += ["--model", cfg.model, "--block-size", str(cfg.block_size), *specs]
             self._plan_trackers([*tracker, *cfg.tracker_args])
+        if cfg.local_index and cfg.redis:
+            specs = ["--local-index", *every]
         for i, port in enumerate(self.router_ports):
             replicas = [*specs, *vllm_flags]
             self._add(

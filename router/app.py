@@ -124,7 +124,7 @@ class Router:
             self.upstream,
             index,
             self.metrics,
-            discover=bool(settings.redis and settings.discover),
+            discover=bool(settings.redis and settings.discover and not settings.local_index),
             registry_interval_s=settings.registry_interval_s,
             health_interval_s=settings.health_interval_s,
             health_timeout_s=settings.health_timeout_s,

@@ -211,6 +211,10 @@ class GuardedIndex:
                         namespace, keys, load_except=board.router_id, load_ttl_s=board.lease_ttl_s
                     )
                     loads = board.merge(namespace, survey.load or {})
+                elif isinstance(self.load, RedisLoadBoard) and self.load.view_refresh_s > 0:
+                    # the index in this process, the load as last read in the background
+                    survey = await self.index.survey(namespace, keys)
+                    loads = self.load.view(namespace)
                 elif isinstance(self.load, RedisLoadBoard):  # two stores: both at once
                     survey, loads = await asyncio.gather(
                         self.index.survey(namespace, keys), self.load.snapshot(namespace)

@@ -56,6 +56,11 @@ class RouterSettings(ServiceSettings):
         "[,model=M][,block_size=N]",
     )
     discover: bool = setting(True, "with --redis, also route to replicas in the registry")
+    local_index: bool = setting(
+        False,
+        "with --redis: keep the block index in this process, fed by the --replica event "
+        "endpoints (as without --redis), and share only the load through Redis",
+    )
     model: str = setting("default", "model served by replicas given with --replica")
     block_size: int = setting(16, "block size of --replica replicas without their own")
     tokenizer: tuple[str, ...] = setting(
@@ -184,6 +189,11 @@ class RouterSettings(ServiceSettings):
     registry_interval_s: float = setting(1.0, "time between registry refreshes")
     lease_ttl_s: float = setting(5.0, "shared load of a dead router expires after this long")
     load_renew_s: float = setting(1.0, "how often this router renews its shared load")
+    load_refresh_ms: float = setting(
+        10.0,
+        "with --local-index: how often the other routers' load is read from Redis; a request "
+        "takes the last read (0: a read in every request's path)",
+    )
     router_id: str | None = setting(
         None, "unique id of this router (default: host-pid-random; workers add -0, -1, ...)"
     )
@@ -256,6 +266,8 @@ class RouterSettings(ServiceSettings):
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
         if not (self.miss_weight >= 1 and math.isfinite(self.miss_weight)):
             raise ConfigError("miss-weight must be a finite number >= 1")
+        if self.load_refresh_ms < 0 or not math.isfinite(self.load_refresh_ms):
+            raise ConfigError("load-refresh-ms must be a finite number >= 0")
         if not 0 < self.load_renew_s < self.lease_ttl_s:
             raise ConfigError("need 0 < load-renew-s < lease-ttl-s")
         self._check_baselines()
@@ -278,6 +290,10 @@ class RouterSettings(ServiceSettings):
                 "workers: more than one router process needs --redis (the embedded index "
                 "lives in one process)"
             )
+        if self.local_index and not self.redis:
+            raise ConfigError("local-index needs --redis (without it the index is local anyway)")
+        if self.local_index and not self.replica:
+            raise ConfigError("local-index needs --replica endpoints to feed the index")
 
     def _check_hashing(self) -> None:
         if self.block_size <= 0:

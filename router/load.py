@@ -33,6 +33,12 @@ routers behind haproxy then split groups under eviction pressure in 5 of 6 runs 
 tests/test_topology.py on a loaded host, against 1 of 6.) A router that
 dies leaks nothing: its entries expire ``lease_ttl_s`` after its last renewal;
 :meth:`RedisLoadBoard.stop` deletes them at once.
+
+A router whose index is in its own process (``--local-index``) has no lookup to carry the
+load read, and a round trip in every request's path is what its index saves: its board reads
+each partition it routes in every ``view_refresh_s`` in the background, and a request takes
+the last read (:meth:`RedisLoadBoard.view`): the other routers' requests are seen a push
+delay plus at most one refresh late.
 """
 
 from __future__ import annotations
@@ -64,6 +70,10 @@ PUSH_DELAY_S: Final = 0.002
 """How long a load change waits to be pushed (module docstring): other routers see it this
 much later, next to the tens of milliseconds a prefill takes."""
 
+
+VIEW_MAX_AGE_S: Final = 1.0
+"""The oldest read of the other routers' load that :meth:`RedisLoadBoard.view` serves; older
+(Redis unreachable), a router routes on its own load, as it does when a lookup fails."""
 
 _Key = tuple[Namespace, str]
 
@@ -268,6 +278,7 @@ class RedisLoadBoard(_Totals):
         lease_ttl_s: float = 5.0,
         renew_interval_s: float = 1.0,
         push_delay_s: float = PUSH_DELAY_S,
+        view_refresh_s: float = 0.0,
     ) -> None:
         """Share load through ``client``.
 
@@ -278,6 +289,10 @@ class RedisLoadBoard(_Totals):
         :param renew_interval_s: how often non-zero entries are rewritten (< ``lease_ttl_s``).
         :param push_delay_s: how long a change waits for others to share its write (module
             docstring).
+        :param view_refresh_s: > 0: a background loop reads the other routers' load of every
+            partition read within the last lease this often, and :meth:`view` serves the
+            last read without a round trip (a router whose index is in its process keeps
+            Redis out of the request path); 0: no loop, :meth:`view` is not used.
         """
         super().__init__()
         if not router_id or "\x00" in router_id:
@@ -303,6 +318,13 @@ class RedisLoadBoard(_Totals):
         self._seen: dict[Namespace, float] = {}
         self._failing = False
         self._stopped = False
+        self.view_refresh_s = view_refresh_s
+        # partition → (when read, the other routers' load then); and when a request last
+        # wanted it (the refresher reads the partitions wanted within a lease)
+        self._views: dict[Namespace, tuple[float, dict[str, tuple[int, int, int]]]] = {}
+        self._wanted: dict[Namespace, float] = {}
+        self._refresher: asyncio.Task[None] | None = None
+        self._view_failing = False
 
     def _key(self, namespace: Namespace) -> str:
         key = self._keys.get(namespace)
@@ -374,28 +396,50 @@ class RedisLoadBoard(_Totals):
             if self._dirty:
                 self._kick()
 
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.view_refresh_s)
+            now = time.monotonic()
+            for base, wanted in list(self._wanted.items()):
+                if now - wanted > self.lease_ttl_s:
+                    del self._wanted[base]
+                    self._views.pop(base, None)
+                    continue
+                try:
+                    await self._read(base)
+                except IndexUnavailableError as exc:
+                    if not self._view_failing:
+                        self._view_failing = True
+                        logger.error("cannot read the other routers' load: %s", exc)
+                    continue
+                if self._view_failing:
+                    self._view_failing = False
+                    logger.info("reading the other routers' load again")
+
     async def start(self) -> None:
-        """Start the renew loop (idempotent)."""
+        """Start the renew loop and the view's refresher (idempotent)."""
         self._stopped = False
+        loop = asyncio.get_running_loop()
         if self._renewer is None or self._renewer.done():
-            loop = asyncio.get_running_loop()
             self._renewer = loop.create_task(self._renew(), name="kvrouter-load-renew")
+        if self.view_refresh_s > 0 and (self._refresher is None or self._refresher.done()):
+            self._refresher = loop.create_task(self._refresh(), name="kvrouter-load-view")
         if self._dirty:
             self._kick()
 
     def abandon(self) -> None:
         """Stop renewing without withdrawing anything, as a crashed router would (drills)."""
         self._stopped = True
-        for task in (self._renewer, self._pusher):
+        for task in (self._renewer, self._pusher, self._refresher):
             if task is not None:
                 task.cancel()
 
     async def stop(self, *, timeout_s: float = 1.0) -> None:
         """Stop renewing, let a push in flight finish, and delete this router's entries."""
         self._stopped = True
-        renewer, self._renewer = self._renewer, None
-        if renewer is not None:
-            await cancel_and_wait([renewer])
+        loops = [task for task in (self._renewer, self._refresher) if task is not None]
+        self._renewer = self._refresher = None
+        await cancel_and_wait(loops)
         pusher, self._pusher = self._pusher, None
         if pusher is not None:
             _, pending = await asyncio.wait({pusher}, timeout=timeout_s)
@@ -423,12 +467,32 @@ class RedisLoadBoard(_Totals):
         :raises IndexUnavailableError: Redis cannot be reached; :meth:`local_snapshot` can.
         """
         base = namespace.base()
+        return self._combine(base, await self._read(base), time.monotonic())
+
+    async def _read(self, base: Namespace) -> dict[str, tuple[int, int, int]]:
+        """Read the other routers' load of partition ``base`` (and record this router's
+        presence there); the view keeps it."""
         try:
             reply = await self._snapshot(keys=[self._key(base)], args=[self.router_id, self.ttl_ms])
         except (RedisError, OSError) as exc:
             self.stats.snapshot_errors += 1
             raise IndexUnavailableError(f"redis load snapshot failed: {exc}") from exc
-        return self.merge(base, load_sums(reply))
+        others = load_sums(reply)
+        self._observed(base, others)
+        self._views[base] = (time.monotonic(), others)
+        return others
+
+    def view(self, namespace: Namespace) -> dict[str, Load]:
+        """Every router's load without a round trip: the other routers' as last read by the
+        refresher (``view_refresh_s``), at most :data:`VIEW_MAX_AGE_S` old (older, or
+        never read: this router's own only), plus this router's own exact load."""
+        base = namespace.base()
+        now = time.monotonic()
+        self._wanted[base] = now
+        read = self._views.get(base)
+        if read is None or now - read[0] > VIEW_MAX_AGE_S:
+            return self.local_snapshot(base)
+        return self._combine(base, read[1], read[0])
 
     @property
     def ttl_ms(self) -> int:
@@ -443,8 +507,12 @@ class RedisLoadBoard(_Totals):
         index survey that read the load hash with its lookup), plus this router's own. Key ""
         says another router is there (module docstring: a router alone writes its changes
         once a second)."""
-        self.stats.snapshots += 1
         base = namespace.base()
+        self._observed(base, others)
+        return self._combine(base, others, time.monotonic())
+
+    def _observed(self, base: Namespace, others: Mapping[str, tuple[int, int, int]]) -> None:
+        """A read of partition ``base`` found ``others``: is this router alone there?"""
         now = time.monotonic()
         if others:
             self._seen[base] = now
@@ -454,6 +522,12 @@ class RedisLoadBoard(_Totals):
                     self._kick()
         elif now - self._seen.setdefault(base, now) > self.lease_ttl_s:
             self._alone.add(base)
+
+    def _combine(
+        self, base: Namespace, others: Mapping[str, tuple[int, int, int]], read_at: float
+    ) -> dict[str, Load]:
+        """This router's own load plus ``others`` (read at ``read_at``, ``time.monotonic``)."""
+        self.stats.snapshots += 1
         out = self.local_snapshot(base)
         for replica, (inflight, tokens, age_ms) in others.items():
             if not replica:
@@ -461,7 +535,7 @@ class RedisLoadBoard(_Totals):
             mine = out.get(replica, Load())
             since = mine.prefill_since
             if tokens > 0 and age_ms > 0:
-                theirs = now - age_ms / 1000
+                theirs = read_at - age_ms / 1000
                 since = theirs if since is None else min(since, theirs)
             queued = mine.queued_prefill_tokens + tokens
             out[replica] = Load(mine.inflight + inflight, queued, since)

@@ -3,7 +3,9 @@
 With ``--redis`` the index, the replica registry and the load are shared through Redis with
 every other router and tracker. Without it the router is self-contained: an in-process
 :class:`~tracker.index.MemoryIndex` fed by an in-process
-:class:`~tracker.service.TrackerService` consuming the ``--replica`` event endpoints.
+:class:`~tracker.service.TrackerService` consuming the ``--replica`` event endpoints. With
+both and ``--local-index`` the index is the router's own, fed as without Redis, and only the
+load is shared (read in the background, so no request waits for Redis).
 Shutdown (SIGTERM/SIGINT): stop accepting, let in-flight requests and streams finish within
 ``shutdown_timeout_s`` (uvicorn cancels the rest), then close everything; a second signal
 cuts the drain short.
@@ -29,6 +31,7 @@ from tracker.config import TrackerSettings
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex
 from tracker.lifecycle import freeze_heap, run_on_loop, run_until_signalled, running_loop_name
+from tracker.redis_client import RedisConnection, open_redis
 from tracker.service import TrackerService
 
 logger = logging.getLogger(__name__)
@@ -73,6 +76,7 @@ class RouterService:
         self.registry = registry or CollectorRegistry()
         self.index: BlockIndex | None = None
         self.tracker: TrackerService | None = None
+        self._redis: RedisConnection | None = None
         self.app: Starlette | None = None
         self.port: int | None = None
         self._http: HTTPServer | None = None
@@ -90,7 +94,7 @@ class RouterService:
         settings = self.settings
         try:
             load: LoadBoard
-            if settings.redis:
+            if settings.redis and not settings.local_index:
                 from tracker.redis_index import RedisIndex  # noqa: PLC0415 - only when used
 
                 index = RedisIndex.from_url(settings.redis)
@@ -104,6 +108,15 @@ class RouterService:
             else:
                 self.index = MemoryIndex()
                 load = LocalLoadBoard()
+                if settings.redis:
+                    self._redis = open_redis(settings.redis)
+                    load = RedisLoadBoard(
+                        self._redis.client,
+                        self.router_id,
+                        lease_ttl_s=settings.lease_ttl_s,
+                        renew_interval_s=settings.load_renew_s,
+                        view_refresh_s=settings.load_refresh_ms / 1000,
+                    )
                 if settings.replica:
                     self.tracker = TrackerService(
                         tracker_settings(settings), self.index, self.registry
@@ -189,6 +202,9 @@ class RouterService:
         if self.index is not None:
             await self.index.close()
             self.index = None
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
 
 
 async def serve(settings: RouterSettings, *, sock: socket.socket | None = None) -> int:

@@ -25,7 +25,13 @@ def test_a_tiny_run_measures_every_target_at_every_level(tmp_path: Path) -> None
     assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     targets = report["targets"]
-    assert set(targets) == {"direct", "kvrouter-w1", "kvrouter-w2", "kvrouter-embedded"}
+    assert set(targets) == {
+        "direct",
+        "kvrouter-w1",
+        "kvrouter-w2",
+        "kvrouter-local",
+        "kvrouter-embedded",
+    }
     for name, levels in targets.items():
         assert set(levels) == {"1", "4", "20/s"}
         for row in levels.values():

@@ -5,12 +5,20 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 import redis.asyncio as redis
 
-from router.load import Load, LoadBoard, LocalLoadBoard, RedisLoadBoard, new_router_id
+from bench.procs import RedisServer
+from router.load import (
+    VIEW_MAX_AGE_S,
+    Load,
+    LoadBoard,
+    LocalLoadBoard,
+    RedisLoadBoard,
+    new_router_id,
+)
 from tests.procs import free_port
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
@@ -83,13 +91,25 @@ Factory = Callable[..., Awaitable[RedisLoadBoard]]
 
 
 @pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server this test may stop and restart (not the shared session one)."""
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
 async def boards(redis_url: str) -> AsyncIterator[Factory]:
     """Routers sharing one redis-server: each with its own client, all closed afterwards."""
     made: list[tuple[RedisLoadBoard, redis.Redis]] = []
 
-    async def make(ttl: float = 5.0, renew: float = 1.0, url: str = redis_url) -> RedisLoadBoard:
+    async def make(
+        ttl: float = 5.0, renew: float = 1.0, url: str = redis_url, refresh: float = 0.0
+    ) -> RedisLoadBoard:
         client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        board = RedisLoadBoard(client, new_router_id(), lease_ttl_s=ttl, renew_interval_s=renew)
+        board = RedisLoadBoard(
+            client, new_router_id(), lease_ttl_s=ttl, renew_interval_s=renew, view_refresh_s=refresh
+        )
         protocol: LoadBoard = board
         await protocol.start()
         made.append((board, client))
@@ -267,6 +287,64 @@ async def test_redis_down_snapshot_raises_and_local_view_works(boards: Factory) 
     lease.release()
     assert a.local_snapshot(NS) == {}
     assert a.stats.snapshot_errors == 1
+
+
+@pytest.mark.redis
+async def test_the_view_serves_the_others_load_as_last_read_in_the_background(
+    boards: Factory,
+) -> None:
+    """A router whose index is its own reads the other routers' load off the request path:
+    ``view`` never waits, and is at most a push delay and a refresh behind."""
+    a, b = await boards(), await boards(refresh=0.01)
+    assert b.view(NS) == {}  # never read: its own load only (none), and now wanted
+    lease = a.acquire(NS, "r1", 2048)
+    mine = b.acquire(NS, "r2", 16)
+
+    async def seen() -> bool:
+        return b.view(NS) == {"r1": Load(1, 2048), "r2": Load(1, 16)}
+
+    assert await _until(seen) < 0.2
+    since = b.view(NS)["r1"].prefill_since  # dated from when it was read, not when served
+    await asyncio.sleep(0.05)
+    assert b.view(NS)["r1"].prefill_since == pytest.approx(since, abs=0.015)
+    reads = b.stats.snapshots
+    lease.release()
+
+    async def gone() -> bool:
+        return b.view(NS) == {"r2": Load(1, 16)}
+
+    assert await _until(gone) < 0.2
+    assert b.stats.snapshots > reads
+    assert b.local_snapshot(OTHER) == {} and b.view(OTHER) == {}
+    mine.release()
+
+
+@pytest.mark.redis
+async def test_the_view_falls_back_to_own_load_when_its_reads_stop(
+    boards: Factory, own_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis gone: the last read is served for at most ``VIEW_MAX_AGE_S``, then the router's
+    own load alone, and the error is logged once; the reads resume with Redis."""
+    redis_server = own_redis
+    a, b = await boards(url=redis_server.url), await boards(url=redis_server.url, refresh=0.01)
+    b.view(NS)
+    lease = a.acquire(NS, "r1", 64)
+    mine = b.acquire(NS, "r2", 16)
+
+    async def seen() -> bool:
+        return "r1" in b.view(NS)
+
+    await _until(seen)
+    redis_server.stop()
+    assert "r1" in b.view(NS)  # the last read, while it is recent
+    await asyncio.sleep(VIEW_MAX_AGE_S + 0.2)
+    assert b.view(NS) == {"r2": Load(1, 16)}
+    errors = [r for r in caplog.records if "cannot read the other routers' load" in r.message]
+    assert len(errors) == 1 and b.stats.snapshot_errors > 1
+    redis_server.start()
+    await _until(seen, within=10.0, step=0.05)
+    lease.release()
+    mine.release()
 
 
 async def test_bad_arguments() -> None:

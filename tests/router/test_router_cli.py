@@ -37,6 +37,9 @@ def test_flags_come_from_the_settings() -> None:
         (["--replica", "a=tcp://127.0.0.1:5557"], "url="),
         (["--replica", "nonsense"], "bad replica spec"),
         (["--api-key-file", "/nonexistent/keys", "--port", "0"], "cannot read"),
+        (["--local-index", "--replica", "a=tcp://127.0.0.1:5557,url=http://x"], "needs --redis"),
+        (["--local-index", "--redis", "redis://127.0.0.1:1"], "needs --replica"),
+        (["--local-index", "--redis", "redis://x:1", "--load-refresh-ms", "-1"], "load-refresh"),
     ],
 )
 def test_bad_settings_exit_with_a_clear_message(args: list[str], message: str) -> None:
