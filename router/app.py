@@ -37,6 +37,7 @@ from router.placement import Placement, Placer, TokenizerBook
 from router.proxy import CLIENT_CLOSED, Proxy, read_body
 from router.replicas import Replica, ReplicaSet
 from router.requests import parse
+from router.routefeed import RouteFeed
 from router.upstream import UpstreamClient
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
@@ -62,8 +63,10 @@ class Router:
         registry: CollectorRegistry,
         load: LoadBoard | None = None,
         tokenizers: TokenizerBook | None = None,
+        feed: RouteFeed | None = None,
     ) -> None:
         self.settings = settings
+        self.feed = feed
         self.index = index
         self.registry = registry
         self.metrics = RouterMetrics(registry)
@@ -86,6 +89,7 @@ class Router:
             failures=settings.breaker_failures,
             cooldown_s=settings.breaker_cooldown_s,
             lag=self.lag,
+            feed=feed,
         )
         self.upstream = UpstreamClient(
             connect_timeout_s=settings.connect_timeout_s,
@@ -146,6 +150,8 @@ class Router:
     async def start(self) -> None:
         await self.lag.start()
         await self.load.start()
+        if self.feed is not None:
+            await self.feed.start()
         await self.monitor.start()
         await self._warm_up()
         logger.info(
@@ -184,6 +190,8 @@ class Router:
     async def stop(self) -> None:
         await self.monitor.stop()
         await self.shared.stop()
+        if self.feed is not None:
+            await self.feed.stop()
         await self.load.stop()
         await self.lag.stop()
         await self.upstream.aclose()
@@ -346,6 +354,7 @@ def create_app(
     registry: CollectorRegistry,
     load: LoadBoard | None = None,
     tokenizers: TokenizerBook | None = None,
+    feed: RouteFeed | None = None,
 ) -> Starlette:
     """The router app; its parts start and stop with the app's lifespan.
 
@@ -353,8 +362,11 @@ def create_app(
     :param registry: where the router's metrics are registered (served on ``/metrics``).
     :param load: the load board (default :class:`~router.load.LocalLoadBoard`).
     :param tokenizers: per-model tokenizers (default: loaded from ``settings``).
+    :param feed: shares an in-process index's routes with the other routers.
     """
-    router = Router(settings, index=index, registry=registry, load=load, tokenizers=tokenizers)
+    router = Router(
+        settings, index=index, registry=registry, load=load, tokenizers=tokenizers, feed=feed
+    )
     api, admin = router.api_keys, router.admin_keys
 
     @contextlib.asynccontextmanager

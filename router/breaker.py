@@ -23,6 +23,7 @@ from prometheus_client import Gauge
 
 from router.load import Load, LoadBoard, RedisLoadBoard
 from router.metrics import RouterMetrics
+from router.routefeed import RouteFeed
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
 from tracker.index import BlockIndex, Home, Match, MemoryIndex, Residency
@@ -154,6 +155,8 @@ class GuardedIndex:
     :param per_block_s: extra budget per block of the chain: the server-side walk is linear
         in the prompt's cached blocks (~1 µs each), so a 100k-token prompt needs more time
         than a short one, and a fixed budget would route long prompts on load alone.
+    :param feed: an in-process index's routes are shared through it with the other routers
+        (``--local-index``).
     :param lag: the event loop's lateness, added to the budget twice (the reply waits for
         the loop once to be read and once more for the request's task to resume), at most
         ``MAX_LAG_ALLOWANCE`` budgets.
@@ -170,10 +173,12 @@ class GuardedIndex:
         cooldown_s: float,
         per_block_s: float = 0.0,
         lag: LoopLag | None = None,
+        feed: RouteFeed | None = None,
     ) -> None:
         self.index = index
         self.load = load
         self.lag = lag
+        self.feed = feed
         # the load board's hash lives beside the index: one script reads both
         self._board = (
             load
@@ -201,6 +206,8 @@ class GuardedIndex:
 
     async def view(self, namespace: Namespace, keys: Sequence[int]) -> SharedView:
         """Placements of ``keys`` and every router's load; never raises for the index's sake."""
+        if self.feed is not None:
+            self.feed.want(namespace)
         if not self.breaker.allow():
             return self._fallback(namespace, "breaker_open")
         try:
@@ -291,6 +298,10 @@ class GuardedIndex:
             self.index.record_route(
                 namespace, replica, keys, ttl_s=ttl_s, anchors=anchors, home_ttl_s=home_ttl_s
             )
+            if self.feed is not None:
+                self.feed.publish(
+                    namespace, replica, keys, ttl_s=ttl_s, anchors=anchors, home_ttl_s=home_ttl_s
+                )
             self.metrics.predictions.labels("ok").inc()
             return
         task = asyncio.get_running_loop().create_task(

@@ -26,6 +26,7 @@ from router.app import Router, create_app
 from router.config import RouterSettings
 from router.load import LoadBoard, LocalLoadBoard, RedisLoadBoard, new_router_id
 from router.placement import TokenizerBook
+from router.routefeed import RouteFeed
 from router.workers import WorkerPool, worker_count
 from tracker.config import TrackerSettings
 from tracker.http import HTTPServer, bind
@@ -94,6 +95,7 @@ class RouterService:
         settings = self.settings
         try:
             load: LoadBoard
+            feed: RouteFeed | None = None
             if settings.redis and not settings.local_index:
                 from tracker.redis_index import RedisIndex  # noqa: PLC0415 - only when used
 
@@ -117,6 +119,13 @@ class RouterService:
                         renew_interval_s=settings.load_renew_s,
                         view_refresh_s=settings.load_refresh_ms / 1000,
                     )
+                    feed = RouteFeed(
+                        self._redis.client,
+                        self.router_id,
+                        self.index,
+                        refresh_s=max(settings.load_refresh_ms, 1.0) / 1000,
+                        since_s=settings.home_ttl_s,
+                    )
                 if settings.replica:
                     self.tracker = TrackerService(
                         tracker_settings(settings), self.index, self.registry
@@ -124,7 +133,12 @@ class RouterService:
                     await self.tracker.start()
             tokenizers = await asyncio.to_thread(TokenizerBook.load, settings)
             self.app = create_app(
-                settings, index=self.index, registry=self.registry, load=load, tokenizers=tokenizers
+                settings,
+                index=self.index,
+                registry=self.registry,
+                load=load,
+                tokenizers=tokenizers,
+                feed=feed,
             )
             await self._serve(self.app)
         except BaseException:

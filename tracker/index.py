@@ -458,13 +458,18 @@ class MemoryIndex:
         ttl_s: float,
         anchors: Sequence[int],
         home_ttl_s: float,
+        age_s: float = 0.0,
     ) -> None:
         """:meth:`route` at once, without a turn of the event loop: a router in the same
-        process records a request before the next decision can read the index."""
+        process records a request before the next decision can read the index.
+
+        :param age_s: the route was made this long ago (another router's, read later): its
+            lifetimes count from then, and a home claimed since is kept."""
         now = time.monotonic()
+        since = now - age_s
         table = self._predictions.setdefault(namespace.base(), {})
-        expiry = now + ttl_s
-        for key in keys:
+        expiry = since + ttl_s
+        for key in keys if expiry > now else ():
             entry = table.get(key)
             if entry is None:
                 table[key] = {replica: expiry}
@@ -474,7 +479,9 @@ class MemoryIndex:
                 entry[replica] = expiry
         homes = self._homes.setdefault(namespace.base(), {})
         for key in anchors:
-            homes[key] = (replica, now, now + home_ttl_s)
+            claim = homes.get(key)
+            if claim is None or claim[1] <= since:
+                homes[key] = (replica, since, since + home_ttl_s)
         if max(len(table), len(homes)) > _PREDICTION_SWEEP and self._sweep_at <= now:
             self._sweep_predictions(now)
 

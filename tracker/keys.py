@@ -30,6 +30,11 @@ key                             type   content
                                        ``<dddd`` in flight, queued tokens, expiry ms,
                                        oldest prefilling request's send time ms;
                                        ``NUL router id``: a reader's presence (zeros)
+``Q:T:routes``                  STREAM what routers with their own index routed
+                                       (``--local-index``): ``r`` router id, ``p``
+                                       replica, ``k`` predicted block keys and ``a`` home
+                                       anchors (``<Q`` each), ``t`` / ``h`` their
+                                       lifetimes in ms; capped at ``MAX_ROUTES`` entries
 ``Q:T:stats``                   HASH   per replica, from its events: ``n:<replica>`` ->
                                        GPU blocks held now, ``s:<replica>`` -> GPU blocks
                                        stored ever (the router derives cache churn)
@@ -72,6 +77,8 @@ BLOCK_BUCKET_BITS: Final = 14
 ENGINE_BUCKETS: Final = 1024
 TIER_BITS: Final = 4
 """Tiers a block may be in (bits of a block-bucket entry, counts of an engine-map value)."""
+MAX_ROUTES: Final = 4096
+"""Entries a partition's route stream keeps (approximately: ``XADD MAXLEN ~``)."""
 MAX_RID: Final = (1 << (16 - TIER_BITS)) - 1
 ENGINE_VALUE_BYTES: Final = 8 + 2 * TIER_BITS
 
@@ -108,6 +115,7 @@ class NamespaceKeys:
         "ridfree",
         "ridseq",
         "rname",
+        "routes",
         "seq",
         "stats",
         "tag",
@@ -126,6 +134,7 @@ class NamespaceKeys:
         self.ridfree = f"{self.tag}:ridfree"
         self.seq = f"{self.tag}:seq"
         self.load = f"{self.tag}:load"
+        self.routes = f"{self.tag}:routes"
         self.stats = f"{self.tag}:stats"
         self.lookahead = f"{self.tag}:lookahead"
         self.plive = f"{self.tag}:plive"

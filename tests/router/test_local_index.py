@@ -114,3 +114,31 @@ async def test_redis_down_costs_only_the_shared_load(own_redis: RedisServer) -> 
 
         await wait_until(shared, within=10)
         lease.release()
+
+
+async def test_a_route_through_one_router_is_known_to_the_other_before_the_engine_says_so(
+    redis_url: str,
+) -> None:
+    """A new prefix sent through a, and its group's next request through b while the first
+    still prefills (no event yet): b sees a's prediction and home through the route feed and
+    sends it to the same engine, not to the idle one its load view prefers."""
+    async with (
+        engines(2, time_scale=1.0, floor_ms=600.0) as fleet,
+        router(replica=fleet.specs, redis=redis_url, local_index=True, **SHARED) as a,
+        router(replica=fleet.specs, redis=redis_url, local_index=True, **SHARED) as b,
+        httpx.AsyncClient(base_url=base_url(a), timeout=20) as ca,
+        httpx.AsyncClient(base_url=base_url(b), timeout=20) as cb,
+    ):
+        await cb.post("/index", json=chat("warm", "up"))  # from now on b reads "sim" routes
+        first = asyncio.create_task(_cached(ca, SYSTEM, "one"))
+        feed = b.router.feed
+        assert feed is not None
+
+        async def applied() -> bool:
+            return feed.stats.applied >= 1
+
+        await wait_until(applied, within=5)
+        assert not first.done()  # still prefilling: the engine has published nothing
+        replica, predicted, _ = await _cached(cb, SYSTEM, "two")
+        home, _, _ = await first
+        assert replica == home and predicted > 1000
