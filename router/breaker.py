@@ -179,6 +179,11 @@ class GuardedIndex:
         self.load = load
         self.lag = lag
         self.feed = feed
+        # the index and the load as this process knows them: read without suspending
+        in_process = isinstance(index, MemoryIndex) and index.synchronous
+        if isinstance(load, RedisLoadBoard) and load.view_refresh_s <= 0:
+            in_process = False  # the load is read from Redis with every lookup
+        self._in_process = index if in_process and isinstance(index, MemoryIndex) else None
         # the load board's hash lives beside the index: one script reads both
         self._board = (
             load
@@ -208,6 +213,20 @@ class GuardedIndex:
         """Placements of ``keys`` and every router's load; never raises for the index's sake."""
         if self.feed is not None:
             self.feed.want(namespace)
+        if self._in_process is not None:
+            # nothing to wait for, nothing that fails: no budget, no breaker
+            survey = self._in_process.survey_now(namespace, keys)
+            if isinstance(self.load, RedisLoadBoard):  # as last read in the background
+                loads = self.load.view(namespace)
+            else:
+                loads = self.load.local_snapshot(namespace)
+            return SharedView(
+                survey.matches,
+                loads,
+                residency=survey.residency,
+                homes=survey.homes,
+                lookahead=survey.lookahead,
+            )
         if not self.breaker.allow():
             return self._fallback(namespace, "breaker_open")
         try:
@@ -218,10 +237,6 @@ class GuardedIndex:
                         namespace, keys, load_except=board.router_id, load_ttl_s=board.lease_ttl_s
                     )
                     loads = board.merge(namespace, survey.load or {})
-                elif isinstance(self.load, RedisLoadBoard) and self.load.view_refresh_s > 0:
-                    # the index in this process, the load as last read in the background
-                    survey = await self.index.survey(namespace, keys)
-                    loads = self.load.view(namespace)
                 elif isinstance(self.load, RedisLoadBoard):  # two stores: both at once
                     survey, loads = await asyncio.gather(
                         self.index.survey(namespace, keys), self.load.snapshot(namespace)

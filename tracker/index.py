@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 import msgspec
 
@@ -316,6 +316,10 @@ def _extend(
 class MemoryIndex:
     """In-process index: the default for a single router process without Redis."""
 
+    synchronous: ClassVar[bool] = True
+    """Its reads never suspend nor fail: a router in the same process reads it at once
+    (:meth:`survey_now`), without a time budget or a circuit breaker."""
+
     def __init__(self) -> None:
         self._blocks: dict[Namespace, dict[int, dict[str, int]]] = {}
         self._ledgers: dict[tuple[str, Namespace], ReplicaLedger] = {}
@@ -380,6 +384,10 @@ class MemoryIndex:
         return self._seq.get((replica, namespace.base()))
 
     async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
+        return self.lookup_now(namespace, keys)
+
+    def lookup_now(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
+        """:meth:`lookup` without suspending (a router in the same process)."""
         predictions = self._predictions.get(namespace.base())
         now = time.monotonic()
 
@@ -397,10 +405,19 @@ class MemoryIndex:
         load_except: str | None = None,
         load_ttl_s: float = 5.0,
     ) -> Survey:
+        return self._survey(namespace, keys, await self.lookup(namespace, keys))
+
+    def survey_now(self, namespace: Namespace, keys: Sequence[int]) -> Survey:
+        """:meth:`survey` without suspending (a router in the same process)."""
+        return self._survey(namespace, keys, self.lookup_now(namespace, keys))
+
+    def _survey(
+        self, namespace: Namespace, keys: Sequence[int], matches: dict[str, Match]
+    ) -> Survey:
         counts = self._residency.get(namespace.base(), {})
         residency = {r: Residency(n, s) for r, (n, s) in counts.items()}
         return Survey(
-            await self.lookup(namespace, keys),
+            matches,
             residency,
             self._walk_homes(namespace, keys),
             lookahead=dict(self._lookahead.get(namespace.base(), {})),

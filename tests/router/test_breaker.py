@@ -50,7 +50,9 @@ def test_breaker_opens_probes_and_closes() -> None:
 
 
 class FlakyIndex(MemoryIndex):
-    """A MemoryIndex whose lookups can be made slow or failing."""
+    """A MemoryIndex whose lookups can be made slow or failing, as a remote index's can."""
+
+    synchronous = False
 
     def __init__(self) -> None:
         super().__init__()
