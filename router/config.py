@@ -191,8 +191,8 @@ class RouterSettings(ServiceSettings):
     load_renew_s: float = setting(1.0, "how often this router renews its shared load")
     load_refresh_ms: float = setting(
         10.0,
-        "with --local-index: how often the other routers' load is read from Redis; a request "
-        "takes the last read (0: a read in every request's path)",
+        "with --local-index: how often the other routers' load and routes are read from "
+        "Redis; a request takes the last read (0: the load read in every request's path)",
     )
     router_id: str | None = setting(
         None, "unique id of this router (default: host-pid-random; workers add -0, -1, ...)"
