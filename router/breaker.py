@@ -26,7 +26,7 @@ from router.metrics import RouterMetrics
 from router.routefeed import RouteFeed
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
-from tracker.index import BlockIndex, Home, Match, MemoryIndex, Residency
+from tracker.index import BlockIndex, Home, Match, MemoryIndex, Residency, Survey
 from tracker.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,16 @@ class SharedView:
     lookahead: dict[str, int] = field(default_factory=dict)
 
 
+def _view_of(survey: Survey, loads: dict[str, Load]) -> SharedView:
+    return SharedView(
+        survey.matches,
+        loads,
+        residency=survey.residency,
+        homes=survey.homes,
+        lookahead=survey.lookahead,
+    )
+
+
 class GuardedIndex:
     """The index and load board behind a time budget and a circuit breaker.
 
@@ -220,13 +230,7 @@ class GuardedIndex:
                 loads = self.load.view(namespace)
             else:
                 loads = self.load.local_snapshot(namespace)
-            return SharedView(
-                survey.matches,
-                loads,
-                residency=survey.residency,
-                homes=survey.homes,
-                lookahead=survey.lookahead,
-            )
+            return _view_of(survey, loads)
         if not self.breaker.allow():
             return self._fallback(namespace, "breaker_open")
         try:
@@ -255,13 +259,7 @@ class GuardedIndex:
             self.breaker.abandon()
             raise
         self.breaker.success()
-        return SharedView(
-            survey.matches,
-            loads,
-            residency=survey.residency,
-            homes=survey.homes,
-            lookahead=survey.lookahead,
-        )
+        return _view_of(survey, loads)
 
     def _budget(self, blocks: int) -> float:
         budget = self.budget_s + self.per_block_s * blocks
