@@ -353,6 +353,7 @@ class Placer:
                     recent_inflight=(
                         self.occupancy.observe(replica.id, inflight) if self.occupancy else 0.0
                     ),
+                    prefixes=self.reuse.prefixes(replica.id) if self.reuse else 0,
                     prefill_elapsed_ms=(
                         (now - load.prefill_since) * 1000
                         if load is not None and load.prefill_since is not None

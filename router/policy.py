@@ -85,8 +85,9 @@ Defaults and where they come from:
   cost are a tie (the estimate is a line through noisy TTFTs: a cold 5k-token prefill on
   the benchmark's engines took 460-520 ms against one fitted value). A near-tie (beyond
   1 ms) goes to the prompt's home, then to the one that holds most of the prompt; an exact
-  one to the one that holds most of the prompt, then to the fewest requests in flight,
-  then at random. A copy
+  one to the one that holds most of the prompt, then (a prompt no router has sent before)
+  to the one serving the fewest prefix groups lately, then to the fewest requests in
+  flight, then at random. A copy
   that saves 4 % of one request's TTFT by the estimate costs cache the score cannot see
   while the caches have room.
   ``temperature > 0`` instead samples with probability ``exp((score - best) / temperature)``
@@ -167,6 +168,8 @@ class ReplicaState:
     :param prefill_elapsed_ms: how long ago the oldest of the requests there that have not
         produced their first token was sent (through any router): the engine has been prefilling the
         queue at least that long, so that much of ``queued_prefill_tokens`` is done.
+    :param prefixes: the prefix groups (chains by their first block) this router sent here
+        lately (:meth:`router.reuse.ReuseBook.prefixes`).
     """
 
     id: str
@@ -188,6 +191,7 @@ class ReplicaState:
     prefill_elapsed_ms: float = 0.0
     matched_storage_blocks: int = 0
     matched_remote_blocks: int = 0
+    prefixes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,14 +314,21 @@ def _active(state: ReplicaState) -> int:
     return max(state.inflight, engine)
 
 
-def _busyness(state: ReplicaState, fleet: Fleet) -> tuple[int, float]:
-    """Which tied candidate comes first (least): the fewest requests in flight now; for a
-    prompt no router has sent before, then the fewest over the last seconds (sequential
-    traffic has none in flight at any decision: the replica that served last is the busier,
-    so new prefixes spread instead of piling on one engine at random). A prompt with a home
-    keeps the draw: ordered by recent load too, 4 routers split groups over 3.2-3.7 engines
-    each against 2.9."""
-    return _active(state), 0.0 if fleet.home_tokens else round(state.recent_inflight, 3)
+def _busyness(state: ReplicaState, fleet: Fleet) -> tuple[int, int, float]:
+    """Which tied candidate comes first (least). For a prompt no router has sent before:
+    the one serving the fewest prefix groups lately (``prefixes``: its load follows its
+    groups; by requests in flight at the moment, the eighth of eight groups arriving 60 ms
+    into an overload went to an engine serving two groups whose requests happened to be
+    fewer right then than those of the engine serving one, and the groups sat 3-2-2-1 over
+    four engines for the whole run), then the fewest requests in flight now, then the fewest
+    over the last seconds (sequential traffic has none in flight at any decision: the
+    replica that served last is the busier, so new prefixes spread instead of piling on one
+    engine at random). A prompt with a home: the fewest in flight now, then the draw
+    (ordered by recent load too, 4 routers split groups over 3.2-3.7 engines each against
+    2.9)."""
+    if fleet.home_tokens:
+        return 0, _active(state), 0.0
+    return state.prefixes, _active(state), round(state.recent_inflight, 3)
 
 
 def _near_order(score: Score) -> tuple[int, int]:

@@ -87,6 +87,13 @@ class ReuseBook:
             return None
         return max(watched, math.ceil(resident * unseen))
 
+    def prefixes(self, replica: str) -> int:
+        """How many chains (by their first block) were sent to ``replica`` within the window:
+        the prefix groups it serves, which its load will follow."""
+        self._watched(replica, self.clock())
+        entry = self._replicas.get(replica)
+        return len(entry.prefixes) if entry is not None else 0
+
     def _watched(self, replica: str, now: float) -> int:
         entry = self._replicas.get(replica)
         if entry is None:

@@ -192,6 +192,21 @@ def test_ties_go_to_the_least_busy() -> None:
     assert set(drawn) == {"home", "other"}
 
 
+def test_a_new_prefix_tie_goes_to_the_replica_serving_the_fewest_groups() -> None:
+    """An engine's load follows the prefix groups it serves: early in an overload the one
+    serving a single group can have more requests in flight than one serving two, and a new
+    group sent by the count of the moment left the groups 3-2-2-1 over four engines."""
+    one = ReplicaState("one", inflight=3, recent_inflight=2.0, prefixes=1)
+    two = ReplicaState("two", inflight=2, prefixes=2)
+    scores = decide(16, [one, two], CONFIG, random.Random(0)).scores
+    assert abs(scores[0].score - scores[1].score) < CONFIG.tie_epsilon_ms  # an exact tie
+    assert all(decide(16, [one, two], CONFIG, random.Random(s)).replica == "one"
+               for s in range(20))  # fmt: skip
+    # serving as many groups: the fewest in flight, as before
+    even = [ReplicaState("a", inflight=3, prefixes=2), ReplicaState("b", inflight=2, prefixes=2)]
+    assert all(decide(16, even, CONFIG, random.Random(s)).replica == "b" for s in range(20))
+
+
 def test_an_exact_tie_goes_to_the_deepest_chain_before_the_least_busy() -> None:
     """Waiting for 32 queued tokens where 32 of the prompt are cached costs what prefilling
     them does on an idle engine: the engine that holds more of the prompt gets it (a new

@@ -37,12 +37,15 @@ def test_prefixes_sum_by_their_deepest_reuse_and_lapse_after_the_window() -> Non
     book.record("a", root=3, blocks=0)  # a miss reuses nothing
     book.record("b", root=1, blocks=40)
     assert (book.valued("a", None), book.valued("b", None)) == (600, 40)
+    assert (book.prefixes("a"), book.prefixes("b"), book.prefixes("c")) == (2, 1, 0)
     clock.now += 20.0
     book.record("a", root=2, blocks=310)  # a conversation grew: its turn's depth
     clock.now += 15.0  # root 1 was last reused 35 s ago
     assert book.valued("a", None) == 310
+    assert book.prefixes("a") == 1
     clock.now += 20.0
     assert book.valued("a", None) == 0
+    assert book.prefixes("a") == 0
     book.forget("b")
     assert book.valued("b", None) == 0
 
