@@ -4,8 +4,9 @@ With ``--redis`` the index, the replica registry and the load are shared through
 every other router and tracker. Without it the router is self-contained: an in-process
 :class:`~tracker.index.MemoryIndex` fed by an in-process
 :class:`~tracker.service.TrackerService` consuming the ``--replica`` event endpoints. With
-both and ``--local-index`` the index is the router's own, fed as without Redis, and only the
-load is shared (read in the background, so no request waits for Redis).
+both and ``--local-index`` the index is the router's own, fed as without Redis, and the load
+and the routes are shared (:class:`~router.load.RedisLoadBoard`,
+:class:`~router.routefeed.RouteFeed`; read in the background, so no request waits for Redis).
 Shutdown (SIGTERM/SIGINT): stop accepting, let in-flight requests and streams finish within
 ``shutdown_timeout_s`` (uvicorn cancels the rest), then close everything; a second signal
 cuts the drain short.
