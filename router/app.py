@@ -31,7 +31,7 @@ from router.errors import AuthError, BadRequestError, RouterError, openai_error_
 from router.estimator import SpeedBook
 from router.health import ReplicaMonitor
 from router.journal import DecisionJournal
-from router.load import Load, LoadBoard, LocalLoadBoard
+from router.load import Load, LoadBoard, LocalLoadBoard, RedisLoadBoard
 from router.metrics import METRICS_CONTENT_TYPE, MismatchDetector, RouterMetrics, exposition
 from router.placement import Placement, Placer, TokenizerBook
 from router.proxy import CLIENT_CLOSED, Proxy, read_body
@@ -71,6 +71,9 @@ class Router:
         self.registry = registry
         self.metrics = RouterMetrics(registry)
         self.load = load or LocalLoadBoard()
+        for shared in (self.load, feed):
+            if isinstance(shared, RedisLoadBoard | RouteFeed):
+                shared.on_error = self._shared_error
         self.replicas = ReplicaSet(
             settings.replica_specs,
             model=settings.model,
@@ -142,6 +145,9 @@ class Router:
         self.admin_keys = KeyCheck(admin or api)
         self.draining = False
         self.created = int(time.time())
+
+    def _shared_error(self, what: str) -> None:
+        self.metrics.shared_errors.labels(what).inc()
 
     async def _shared_loads(self, namespace: Namespace) -> dict[str, Load]:
         loads, _ = await self.shared.loads(namespace, self.settings.lookup_timeout_ms / 1000)

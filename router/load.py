@@ -49,7 +49,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Protocol
@@ -325,6 +325,8 @@ class RedisLoadBoard(_Totals):
         self._wanted: dict[Namespace, float] = {}
         self._refresher: asyncio.Task[None] | None = None
         self._view_failing = False
+        self.on_error: Callable[[str], None] | None = None
+        """Called with ``"load_push"`` or ``"load_read"`` on each failed write or read."""
 
     def _key(self, namespace: Namespace) -> str:
         key = self._keys.get(namespace)
@@ -377,6 +379,8 @@ class RedisLoadBoard(_Totals):
         except (RedisError, OSError) as exc:
             self._dirty |= batch
             self.stats.push_errors += 1
+            if self.on_error is not None:
+                self.on_error("load_push")
             if not self._failing:
                 self._failing = True
                 logger.error("cannot publish router load to redis: %s", exc)
@@ -476,6 +480,8 @@ class RedisLoadBoard(_Totals):
             reply = await self._snapshot(keys=[self._key(base)], args=[self.router_id, self.ttl_ms])
         except (RedisError, OSError) as exc:
             self.stats.snapshot_errors += 1
+            if self.on_error is not None:
+                self.on_error("load_read")
             raise IndexUnavailableError(f"redis load snapshot failed: {exc}") from exc
         others = load_sums(reply)
         self._observed(base, others)

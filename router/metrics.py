@@ -199,6 +199,12 @@ class RouterMetrics:
             gauge("replica_healthy", "1 while in rotation", ("replica",), workers="livemin")
         )
         self.health_checks = counter("health_checks", "Active health checks", ("result",))
+        self.shared_errors = counter(
+            "shared_state_errors",
+            "Failed background writes and reads of what routers share through Redis: "
+            "load_push, load_read, route_write, route_read",
+            ("what",),
+        )
 
     def forget_replica(self, replica: str) -> None:
         """Drop the per-replica gauges of a replica that left."""

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -97,6 +97,8 @@ class RouteFeed:
         self._last: dict[str, bytes] = {}  # stream key -> last id read
         self._clock: tuple[float, int] | None = None  # (monotonic, Redis ms) at one instant
         self._failing = False
+        self.on_error: Callable[[str], None] | None = None
+        """Called with ``"route_write"`` or ``"route_read"`` on each failed write or read."""
 
     def publish(
         self,
@@ -144,6 +146,8 @@ class RouteFeed:
                 await pipe.execute()
             except (RedisError, OSError) as exc:
                 self.stats.write_errors += len(batch)
+                if self.on_error is not None:
+                    self.on_error("route_write")
                 self._trouble("cannot share routes with the other routers", exc)
                 continue
             self.stats.written += len(batch)
@@ -205,6 +209,8 @@ class RouteFeed:
                 await self.refresh()
             except (RedisError, OSError) as exc:
                 self.stats.read_errors += 1
+                if self.on_error is not None:
+                    self.on_error("route_read")
                 self._trouble("cannot read the other routers' routes", exc)
                 continue
             if self._failing:

@@ -104,6 +104,13 @@ async def test_redis_down_costs_only_the_shared_load(own_redis: RedisServer) -> 
         page = (await client.get("/metrics")).text
         for reason in ("timeout", "error", "breaker_open"):
             assert metric(page, "kvrouter_router_fallbacks_total", reason=reason) == 0
+
+        async def counted() -> bool:  # what went unshared is counted for the operator
+            page = (await client.get("/metrics")).text
+            errors = "kvrouter_router_shared_state_errors_total"
+            return all(metric(page, errors, what=w) > 0 for w in ("load_read", "route_write"))
+
+        await wait_until(counted, within=5)
         own_redis.start()
         board = a.router.load
         assert isinstance(board, RedisLoadBoard)
