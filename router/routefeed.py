@@ -53,6 +53,7 @@ class RouteFeedStats:
     write_errors: int = 0
     applied: int = 0
     read_errors: int = 0
+    malformed: int = 0
 
 
 def _pack(keys: Sequence[int]) -> bytes:
@@ -184,14 +185,22 @@ class RouteFeed:
                 self._last[stream] = entry_id
                 if fields.get(b"r") == self.router_id:
                     continue
-                age_s = max(0, now_ms - int(entry_id.split(b"-")[0])) / 1000
+                try:
+                    age_s = max(0, now_ms - int(entry_id.split(b"-")[0])) / 1000
+                    replica = fields[b"p"].decode()
+                    keys, anchors = _unpack(fields[b"k"]), _unpack(fields[b"a"])
+                    ttl_s, home_ttl_s = int(fields[b"t"]) / 1000, int(fields[b"h"]) / 1000
+                except (KeyError, ValueError, struct.error) as exc:  # not a route of ours
+                    self.stats.malformed += 1
+                    logger.debug("skipping a malformed route entry", extra={"error": str(exc)})
+                    continue
                 self.index.record_route(
                     namespace,
-                    fields[b"p"].decode(),
-                    _unpack(fields[b"k"]),
-                    ttl_s=int(fields[b"t"]) / 1000,
-                    anchors=_unpack(fields[b"a"]),
-                    home_ttl_s=int(fields[b"h"]) / 1000,
+                    replica,
+                    keys,
+                    ttl_s=ttl_s,
+                    anchors=anchors,
+                    home_ttl_s=home_ttl_s,
                     age_s=age_s,
                 )
                 applied += 1

@@ -108,3 +108,18 @@ async def test_redis_down_drops_routes_and_never_raises(feeds: Factory) -> None:
     await asyncio.sleep(0.05)
     assert a.stats.write_errors == 1 and a.stats.written == 0
     assert a.stats.read_errors >= 1
+
+
+async def test_a_malformed_entry_is_skipped_and_the_rest_applied(
+    feeds: Factory, redis_url: str
+) -> None:
+    a, b = feeds("a"), feeds("b")
+    b.want(NS)
+    await b.refresh()
+    async with redis.Redis.from_url(redis_url) as client:
+        await client.xadd(NamespaceKeys(NS).routes, {"r": "old-router", "p": "r9", "k": "x"})
+    a.publish(NS, "r1", KEYS, ttl_s=3.0, anchors=[11], home_ttl_s=120.0)
+    await _drain(a)
+    assert await b.refresh() == 1
+    assert b.stats.malformed == 1
+    assert (await b.index.survey(NS, KEYS)).matches["r1"].predicted_blocks == 4
