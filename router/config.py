@@ -59,7 +59,7 @@ class RouterSettings(ServiceSettings):
     local_index: bool = setting(
         False,
         "with --redis: keep the block index in this process, fed by the --replica event "
-        "endpoints (as without --redis), and share only the load through Redis",
+        "endpoints (as without --redis), and share only the load and routes through Redis",
     )
     model: str = setting("default", "model served by replicas given with --replica")
     block_size: int = setting(16, "block size of --replica replicas without their own")
