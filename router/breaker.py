@@ -190,10 +190,9 @@ class GuardedIndex:
         self.lag = lag
         self.feed = feed
         # the index and the load as this process knows them: read without suspending
-        in_process = isinstance(index, MemoryIndex) and index.synchronous
+        self._in_process = index if isinstance(index, MemoryIndex) and index.synchronous else None
         if isinstance(load, RedisLoadBoard) and load.view_refresh_s <= 0:
-            in_process = False  # the load is read from Redis with every lookup
-        self._in_process = index if in_process and isinstance(index, MemoryIndex) else None
+            self._in_process = None  # the load is read from Redis with every lookup
         # the load board's hash lives beside the index: one script reads both
         self._board = (
             load
