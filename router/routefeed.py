@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 READ_COUNT: Final = 1024
 """Most entries of one partition applied per refresh (the rest at the next)."""
+REFRESH_S: Final = 0.01
+"""How often the other routers' routes are read when ``--load-refresh-ms`` is 0 (the load
+then read in every request's path: the routes are still read in the background)."""
 CLOCK_READ_S: Final = 60.0
 """How often Redis's clock is read again (entry ids are Redis time)."""
 

@@ -27,6 +27,7 @@ from router.app import Router, create_app
 from router.config import RouterSettings
 from router.load import LoadBoard, LocalLoadBoard, RedisLoadBoard, new_router_id
 from router.placement import TokenizerBook
+from router.routefeed import REFRESH_S as ROUTE_REFRESH_S
 from router.routefeed import RouteFeed
 from router.workers import WorkerPool, worker_count
 from tracker.config import TrackerSettings
@@ -124,7 +125,7 @@ class RouterService:
                         self._redis.client,
                         self.router_id,
                         self.index,
-                        refresh_s=max(settings.load_refresh_ms, 1.0) / 1000,
+                        refresh_s=settings.load_refresh_ms / 1000 or ROUTE_REFRESH_S,
                         since_s=settings.home_ttl_s,
                     )
                 if settings.replica:
