@@ -28,7 +28,9 @@ from tracker.redis_client import (
 
 _PORT_RANGE_FILE: Final = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST_PORT: Final = 10_000
+_FEW_PORTS: Final = 1_000
 _pick = random.SystemRandom()  # not the random module's state, which tests may seed
+_handed: set[int] = set()  # ports free_ports gave out: this process never gives one twice
 
 
 def _ephemeral_ports() -> tuple[int, int]:
@@ -47,19 +49,45 @@ def free_port() -> int:
     0) comes from the ephemeral range, where any outgoing connection meanwhile may take it:
     a test's engine then failed to start with "Address already in use" (CI, 2026-12-04).
     """
+    return free_ports(1)
+
+
+def free_ports(count: int) -> int:
+    """A first port such that ``count`` consecutive loopback ports are free right now.
+
+    No port is handed out twice by this process: until a process binds the port it was
+    given, a bind test here would find it free and hand it to a second one (CI, 2026-12-05:
+    a router's port, picked before its test's engines, was picked again for one of them).
+    """
     low, high = _ephemeral_ports()
-    ports = [*range(_LOWEST_PORT, low), *range(high + 1, 65_536)]
-    for _ in range(100) if ports else ():
-        port: int = _pick.choice(ports)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as sock:  # every candidate taken: the kernel's choice
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    firsts = [*range(_LOWEST_PORT, low - count + 1), *range(high + 1, 65_537 - count)]
+    if len(firsts) < _FEW_PORTS:
+        # The ephemeral range covers (nearly) every port. A random one is still far safer than
+        # the kernel's choice: bind(0) elsewhere may hand out the very port just released here.
+        firsts = list(range(_LOWEST_PORT, 65_537 - count))
+    for _ in range(100):
+        first: int = _pick.choice(firsts)
+        run = range(first, first + count)
+        if _handed.intersection(run) or not _bindable(run):
+            continue
+        _handed.update(run)
+        return first
+    raise RuntimeError(f"no run of {count} free loopback ports")
+
+
+def _bindable(ports: range) -> bool:
+    socks: list[socket.socket] = []
+    try:
+        for port in ports:
+            sock = socket.socket()
+            socks.append(sock)
+            sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    finally:
+        for sock in socks:
+            sock.close()
+    return True
 
 
 def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from bench.procs import _ephemeral_ports, free_port
-from tests.procs import free_ports
+from bench.procs import _ephemeral_ports, free_port, free_ports
 
 
 def test_free_ports_are_bindable_and_outside_the_ephemeral_range() -> None:
@@ -29,3 +28,13 @@ def test_a_run_of_free_ports_fits_below_the_last_port() -> None:
         finally:
             for sock in socks:
                 sock.close()
+
+
+def test_no_port_is_handed_out_twice_before_its_process_binds_it() -> None:
+    """A router's port picked first must not be picked again for the engines started next."""
+    handed: list[int] = []
+    for _ in range(200):
+        first = free_ports(3)
+        handed.extend(range(first, first + 3))
+        handed.append(free_port())
+    assert len(set(handed)) == len(handed)
