@@ -1,7 +1,8 @@
 """``kvrouter router --workers 2``: two router processes on one port, one Redis, one drain.
 
-Real processes throughout: ``kvrouter replica`` (two engines, registered in Redis),
-``kvrouter tracker`` and one ``kvrouter router --workers 2``.
+Real processes: ``kvrouter replica`` (two engines, registered in Redis), ``kvrouter
+tracker`` and one ``kvrouter router --workers 2``; with ``--local-index``, in-process engines
+whose events each worker reads itself.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ import pytest
 from router.config import RouterSettings
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.procs import free_port
-from tests.router.harness import SYSTEM, Process, chat, metric, slow_fleet, wait_healthy, wait_until
+from tests.router.harness import (
+    SYSTEM,
+    Process,
+    chat,
+    engines,
+    metric,
+    slow_fleet,
+    wait_healthy,
+    wait_until,
+)
 from tracker.errors import ConfigError
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]
@@ -131,6 +141,75 @@ async def test_two_workers_serve_one_port_share_index_and_load_and_drain(
             task.cancel()
         for proc in (pool, tracker, replica):
             proc.close()
+
+
+async def test_two_local_index_workers_index_the_events_and_share_load_and_routes(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """``--workers 2 --local-index``: each process keeps its own index from the engines'
+    events; the load and the routes go through Redis; SIGTERM drains both."""
+    async with engines(2, time_scale=0.01, floor_ms=300.0) as fleet:
+        port = free_port()
+        replicas = [arg for spec in fleet.specs for arg in ("--replica", spec)]
+        pool = Process(
+            [
+                "router", "--workers", "2", "--local-index", "--port", str(port),
+                "--redis", redis_url, "--model", "sim", *replicas,
+                "--health-interval-s", "0.5", "--metrics-interval-s", "0.3",
+                "--lease-ttl-s", "1.5", "--load-renew-s", "0.3", "--shutdown-timeout-s", "20",
+            ],
+            tmp_path / "router.log",
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        streams: list[asyncio.Task[str]] = []
+        try:
+            await wait_healthy(url, pool)
+            await _workers_seen(url)
+
+            # a shared prefix over fresh connections (either worker) stays on one replica,
+            # and every worker predicts what the engine then reports cached
+            chosen = []
+            for i in range(8):
+                async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                    answer = await client.post("/v1/chat/completions", json=chat(SYSTEM, f"q {i}"))
+                assert answer.status_code == 200, answer.text
+                chosen.append(answer.headers[REPLICA_HEADER])
+                cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                predicted = int(answer.headers[PREDICTED_HEADER])
+                assert predicted == cached and (i == 0 or cached > 1000), (i, predicted, cached)
+            assert len(set(chosen)) == 1, chosen
+            for _ in range(4):  # no decision fell back to load-only routing
+                page = (await _fresh(url, "/metrics")).text
+                for reason in ("timeout", "error", "breaker_open"):
+                    assert metric(page, "kvrouter_router_fallbacks_total", reason=reason) == 0
+
+            async def stream(i: int) -> str:
+                body = chat(f"long {i}", "go", stream=True, max_tokens=300)
+                async with (
+                    httpx.AsyncClient(base_url=url, timeout=30) as client,
+                    client.stream("POST", "/v1/chat/completions", json=body) as response,
+                ):
+                    assert response.status_code == 200
+                    return "".join([chunk async for chunk in response.aiter_text()])
+
+            streams = [asyncio.create_task(stream(i)) for i in range(3)]
+
+            async def every_worker_sees_three() -> bool:
+                for _ in range(6):
+                    replicas = (await _fresh(url, "/replicas")).json()["replicas"]
+                    if sum(int(r["inflight"]) for r in replicas) != 3:
+                        return False
+                return True
+
+            await wait_until(every_worker_sees_three, within=10)
+            pool.signal(signal.SIGTERM)
+            bodies = await asyncio.gather(*streams)
+            assert all(body.rstrip().endswith("data: [DONE]") for body in bodies), bodies
+            assert await pool.wait(within=30) == 0, pool.log()
+        finally:
+            for task in streams:
+                task.cancel()
+            pool.close()
 
 
 def test_more_than_one_worker_needs_redis() -> None:
