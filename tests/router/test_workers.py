@@ -55,6 +55,39 @@ async def _workers_seen(url: str, within: float = 15.0) -> set[str]:
     return seen
 
 
+async def _stream(url: str, i: int) -> str:
+    body = chat(f"long {i}", "go", stream=True, max_tokens=300)
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        return "".join([chunk async for chunk in response.aiter_text()])
+
+
+async def _three_streams_seen_by_every_worker(url: str) -> list[asyncio.Task[str]]:
+    """Three long streams through the pool, once every worker counts all three in flight."""
+    streams = [asyncio.create_task(_stream(url, i)) for i in range(3)]
+
+    async def every_worker_sees_three() -> bool:
+        for _ in range(6):
+            replicas = (await _fresh(url, "/replicas")).json()["replicas"]
+            if sum(int(r["inflight"]) for r in replicas) != 3:
+                return False
+        return True
+
+    await wait_until(every_worker_sees_three, within=10)
+    return streams
+
+
+async def _drained(pool: Process, streams: list[asyncio.Task[str]]) -> None:
+    """SIGTERM: the streams still running finish whole and the pool exits 0."""
+    pool.signal(signal.SIGTERM)
+    bodies = await asyncio.gather(*streams)
+    assert all(body.rstrip().endswith("data: [DONE]") for body in bodies), bodies
+    assert await pool.wait(within=30) == 0, pool.log()
+
+
 async def test_two_workers_serve_one_port_share_index_and_load_and_drain(
     redis_url: str, tmp_path: Path
 ) -> None:
@@ -104,32 +137,9 @@ async def test_two_workers_serve_one_port_share_index_and_load_and_drain(
         replaced = await _workers_seen(url, within=20)
         assert victim not in replaced and len(replaced) == 2, (first, replaced)
 
-        # load dispatched through one worker is seen by the other
-        async def stream(i: int) -> str:
-            body = chat(f"long {i}", "go", stream=True, max_tokens=300)
-            async with (
-                httpx.AsyncClient(base_url=url, timeout=30) as client,
-                client.stream("POST", "/v1/chat/completions", json=body) as response,
-            ):
-                assert response.status_code == 200
-                return "".join([chunk async for chunk in response.aiter_text()])
-
-        streams = [asyncio.create_task(stream(i)) for i in range(3)]
-
-        async def every_worker_sees_three() -> bool:
-            for _ in range(6):
-                replicas = (await _fresh(url, "/replicas")).json()["replicas"]
-                if sum(int(r["inflight"]) for r in replicas) != 3:
-                    return False
-            return True
-
-        await wait_until(every_worker_sees_three, within=10)
-
-        # SIGTERM drains: the streams still running finish whole, the pool exits 0
-        pool.signal(signal.SIGTERM)
-        bodies = await asyncio.gather(*streams)
-        assert all(body.rstrip().endswith("data: [DONE]") for body in bodies), bodies
-        assert await pool.wait(within=30) == 0, pool.log()
+        # load dispatched through one worker is seen by the other; SIGTERM drains
+        streams = await _three_streams_seen_by_every_worker(url)
+        await _drained(pool, streams)
         log = pool.log()
         assert "router worker died; starting another" in log
         assert "router workers stopped" in log
@@ -183,29 +193,8 @@ async def test_two_local_index_workers_index_the_events_and_share_load_and_route
                 for reason in ("timeout", "error", "breaker_open"):
                     assert metric(page, "kvrouter_router_fallbacks_total", reason=reason) == 0
 
-            async def stream(i: int) -> str:
-                body = chat(f"long {i}", "go", stream=True, max_tokens=300)
-                async with (
-                    httpx.AsyncClient(base_url=url, timeout=30) as client,
-                    client.stream("POST", "/v1/chat/completions", json=body) as response,
-                ):
-                    assert response.status_code == 200
-                    return "".join([chunk async for chunk in response.aiter_text()])
-
-            streams = [asyncio.create_task(stream(i)) for i in range(3)]
-
-            async def every_worker_sees_three() -> bool:
-                for _ in range(6):
-                    replicas = (await _fresh(url, "/replicas")).json()["replicas"]
-                    if sum(int(r["inflight"]) for r in replicas) != 3:
-                        return False
-                return True
-
-            await wait_until(every_worker_sees_three, within=10)
-            pool.signal(signal.SIGTERM)
-            bodies = await asyncio.gather(*streams)
-            assert all(body.rstrip().endswith("data: [DONE]") for body in bodies), bodies
-            assert await pool.wait(within=30) == 0, pool.log()
+            streams = await _three_streams_seen_by_every_worker(url)
+            await _drained(pool, streams)
         finally:
             for task in streams:
                 task.cancel()
