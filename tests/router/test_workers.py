@@ -55,6 +55,20 @@ async def _workers_seen(url: str, within: float = 15.0) -> set[str]:
     return seen
 
 
+def _pool(tmp_path: Path, *args: str) -> tuple[Process, str]:
+    """``kvrouter router --workers 2 ARGS`` on a free port, with short intervals, and its URL."""
+    port = free_port()
+    pool = Process(
+        [
+            "router", "--workers", "2", "--port", str(port), *args,
+            "--health-interval-s", "0.5", "--metrics-interval-s", "0.3",
+            "--lease-ttl-s", "1.5", "--load-renew-s", "0.3", "--shutdown-timeout-s", "20",
+        ],
+        tmp_path / "router.log",
+    )  # fmt: skip
+    return pool, f"http://127.0.0.1:{port}"
+
+
 async def _stream(url: str, i: int) -> str:
     body = chat(f"long {i}", "go", stream=True, max_tokens=300)
     async with (
@@ -92,17 +106,9 @@ async def test_two_workers_serve_one_port_share_index_and_load_and_drain(
     redis_url: str, tmp_path: Path
 ) -> None:
     replica, tracker = slow_fleet(redis_url, tmp_path)
-    port = free_port()
-    pool = Process(
-        [
-            "router", "--workers", "2", "--port", str(port), "--redis", redis_url,
-            "--registry-interval-s", "0.3", "--health-interval-s", "0.5",
-            "--metrics-interval-s", "0.3", "--lease-ttl-s", "1.5", "--load-renew-s", "0.3",
-            "--lookup-timeout-ms", "50", "--shutdown-timeout-s", "20",
-        ],
-        tmp_path / "router.log",
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    pool, url = _pool(
+        tmp_path, "--redis", redis_url, "--registry-interval-s", "0.3", "--lookup-timeout-ms", "50"
+    )
     streams: list[asyncio.Task[str]] = []
     try:
         await wait_healthy(url, pool)
@@ -159,18 +165,10 @@ async def test_two_local_index_workers_index_the_events_and_share_load_and_route
     """``--workers 2 --local-index``: each process keeps its own index from the engines'
     events; the load and the routes go through Redis; SIGTERM drains both."""
     async with engines(2, time_scale=0.01, floor_ms=300.0) as fleet:
-        port = free_port()
         replicas = [arg for spec in fleet.specs for arg in ("--replica", spec)]
-        pool = Process(
-            [
-                "router", "--workers", "2", "--local-index", "--port", str(port),
-                "--redis", redis_url, "--model", "sim", *replicas,
-                "--health-interval-s", "0.5", "--metrics-interval-s", "0.3",
-                "--lease-ttl-s", "1.5", "--load-renew-s", "0.3", "--shutdown-timeout-s", "20",
-            ],
-            tmp_path / "router.log",
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
+        pool, url = _pool(
+            tmp_path, "--redis", redis_url, "--local-index", "--model", "sim", *replicas
+        )
         streams: list[asyncio.Task[str]] = []
         try:
             await wait_healthy(url, pool)
