@@ -43,7 +43,8 @@ def _ephemeral_ports() -> tuple[int, int]:
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on right now, outside the ephemeral range.
+    """A loopback port nothing listens on right now, outside the ephemeral range where that
+    leaves room (:func:`free_ports`).
 
     The port is handed to a process that binds it later. A port the kernel chose (bind to
     0) comes from the ephemeral range, where any outgoing connection meanwhile may take it:
