@@ -18,8 +18,8 @@ import json
 import math
 import statistics
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,58 @@ def engines_per_group(routed: Sequence[Result]) -> float:
             return math.nan
         engines.setdefault(r.group, set()).add(r.replica)
     return statistics.fmean(len(v) for v in engines.values()) if engines else math.nan
+
+
+def concatenate(runs: Sequence[PolicyRun]) -> PolicyRun:
+    """One policy's passes (one per seed) as one run, each pass starting where the one before
+    ended: latencies and hits pool over every request, throughput is over the summed
+    makespans, and each pass's prefix groups and conversations keep ids of their own, so
+    engines per group stays a per-group mean. Counters (router and engine) are summed; the
+    mean decision time per stage is averaged over the passes."""
+    if not runs:
+        raise ValueError("no runs to concatenate")
+    if len(runs) == 1:
+        return runs[0]
+    if len({r.policy for r in runs}) != 1:
+        raise ValueError(f"passes of different policies: {sorted({r.policy for r in runs})}")
+    results: list[Result] = []
+    offset_s = 0.0
+    groups = conversations = 0
+    for run in runs:
+        results += [
+            replace(
+                r,
+                sent_s=r.sent_s + offset_s,
+                group=r.group + groups if r.group >= 0 else r.group,
+                conversation=r.conversation + conversations,
+            )
+            for r in run.results
+        ]
+        offset_s += max((r.sent_s + (r.e2e_s or 0.0) for r in run.results), default=0.0)
+        groups += 1 + max((r.group for r in run.results), default=-1)
+        conversations += 1 + max((r.conversation for r in run.results), default=-1)
+    router_stats: dict[str, float] = {}
+    for key in {k for r in runs for k in r.router_stats}:
+        values = [r.router_stats[key] for r in runs if key in r.router_stats]
+        router_stats[key] = statistics.fmean(values) if key.startswith("stage_") else sum(values)
+    return PolicyRun(
+        runs[0].policy,
+        results,
+        wall_s=sum(r.wall_s for r in runs),
+        started_at=runs[0].started_at,
+        router_stats=dict(sorted(router_stats.items())),
+        engine_stats=_summed([r.engine_stats for r in runs]),
+        engine_requests={k: int(v) for k, v in _summed([r.engine_requests for r in runs]).items()},
+    )
+
+
+def _summed(counters: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Key by key (adding Counters would drop the zeros)."""
+    out: dict[str, float] = {}
+    for counter in counters:
+        for key, value in counter.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def summarize(run: PolicyRun, time_scale: float) -> Summary:

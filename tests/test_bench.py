@@ -17,6 +17,7 @@ import pytest
 from bench.commands import BenchSettings, plan, run
 from bench.demo import DemoSettings
 from bench.demo import run as demo
+from bench.matrix import Cell, MatrixSettings, full_tables, run_cell, verdict
 from bench.stack import VllmEngines
 from tracker.errors import ConfigError
 
@@ -49,6 +50,28 @@ def test_quick_bench_compares_round_robin_and_kvrouter(tmp_path: Path) -> None:
     assert kv["hit_rate"] > rr["hit_rate"]
     assert kv["vs_round_robin"]["ttft_p50"] > 0
     assert plot.stat().st_size > 0 and (tmp_path / "quick-bars.png").stat().st_size > 0
+
+
+def test_a_matrix_cell_of_two_seeds_pools_both_passes(tmp_path: Path) -> None:
+    tiny = {"quick": True, "replicas": 2, "groups": 2, "prompts_per_group": 4, "time_scale": 1.0}
+    cell = Cell("cache", "tiny", tiny, seeds=2)
+    settings = MatrixSettings(policies="round-robin,kvrouter", out=str(tmp_path))
+    path = tmp_path / f"{cell.key}.json"
+    doc = run_cell(cell, settings, path)
+    assert json.loads(path.read_text()) == doc
+    assert doc["seeds"] == [1, 2] and [p["seed"] for p in doc["passes"]] == [1, 2]
+    for name in ("round-robin", "kvrouter"):
+        pooled = doc["policies"][name]
+        assert pooled["requests"] == 16 and pooled["errors"] == 0  # 8 per pass
+        assert sum(pooled["per_replica"].values()) == 16
+        hits = [p["policies"][name]["hit_rate"] for p in doc["passes"]]
+        assert min(hits) <= pooled["hit_rate"] <= max(hits)
+    # one pass after the other, each pass's groups apart from the other's: 4 groups in all
+    raw = json.loads(path.with_suffix(".raw.json").read_text())
+    rows = [dict(zip(raw["fields"], r, strict=True)) for r in raw["results"]["kvrouter"]]
+    assert len(rows) == 16 and {r["group"] for r in rows} == {0, 1, 2, 3}
+    assert max(r["sent_s"] for r in rows[:8]) < min(r["sent_s"] for r in rows[8:])
+    assert "x 2 seeds (1, 2; pooled)" in full_tables([verdict(cell, doc)])
 
 
 def test_real_vllm_engines_are_checked_before_anything_starts(tmp_path: Path) -> None:

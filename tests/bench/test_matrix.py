@@ -17,6 +17,7 @@ from bench.matrix import (
     MatrixSettings,
     axis_table,
     cells,
+    full_tables,
     load_verdicts,
     replace_section,
     report,
@@ -65,6 +66,12 @@ def test_every_axis_has_cells_that_bench_accepts() -> None:
     # the 1-router cell is the 700-block cache cell: one run serves both
     cache_700 = next(c for c in matrix if c.axis == "cache" and c.label == "700")
     assert cache_700.digest == routers[0].digest
+    # the light cells, where every router keeps its groups home, pool three seeds
+    pooled = {(c.axis, c.label) for c in matrix if c.seeds == 3}
+    assert pooled == {("cache", "4096 roomy"), ("cache", "1024"), ("load", "25%")}
+    assert all(c.seeds == 1 for c in matrix if (c.axis, c.label) not in pooled)
+    once = Cell("cache", "1024", next(c for c in matrix if c.label == "1024").settings)
+    assert once.digest != next(c for c in matrix if c.label == "1024").digest
 
 
 def test_a_cell_plans_with_its_bounds() -> None:
@@ -123,6 +130,39 @@ def test_report_tables_and_the_readme_section(tmp_path: Path) -> None:
     shared.write_text(json.dumps(found.doc))
     assert result_path(one, tmp_path) == shared
     assert [v.cell.label for v in load_verdicts(settings)] == ["1"]
+
+
+def test_a_pooled_cell_shows_its_seeds_and_each_pass_ratio() -> None:
+    cell = Cell("load", "25%", {}, seeds=2)
+    pooled = doc(summary("kvrouter", 42, 60, 0.93), summary("smg", 41, 55, 0.94))
+    meta = {
+        "workload": {"name": "gsp"}, "requests": 320, "date": "today", "time_scale": 3,
+        "rate_rps": 7.6, "load": 0.25, "seeds": [1, 2],
+        "fleet": {"replicas": 4, "num_blocks": 1024, "block_size": 16, "routers": 1,
+                  "profile": "llama-8b"},
+        "shape": {"requests": 320, "prompt_tokens": 4979.0, "output_tokens": 64.0,
+                  "unique_tokens": 313.5, "shared_blocks": 3010, "private_blocks": 15.0,
+                  "longest_request": 5043},
+        "passes": [
+            {"seed": 1, "policies": {
+                "kvrouter": {"p50": 40.0, "p95": 50.0, "hit_rate": 0.93},
+                "smg": {"p50": 41.0, "p95": 55.0, "hit_rate": 0.94},
+                "vllm-kv": {"p50": 44.0, "p95": 45.0, "hit_rate": 0.90},
+                "round-robin": {"p50": 1.0, "p95": 1.0, "hit_rate": 1.0},
+            }},
+            {"seed": 2, "policies": {
+                "kvrouter": {"p50": 44.0, "p95": 70.0, "hit_rate": 0.93},
+                "smg": {"p50": 41.0, "p95": 56.0, "hit_rate": 0.93},
+            }},
+        ],
+    }  # fmt: skip
+    found = verdict(cell, {**pooled, **meta})
+    assert "| 25% (2 seeds) |" in axis_table([found])
+    tables = full_tables([found])
+    assert "gsp, 320 requests x 2 seeds (1, 2; pooled), 4 engines" in tables
+    # per pass, the best peer per metric (not round-robin), over kvrouter's
+    seed_1 = "seed 1: p50 1.02x, p95 0.90x, -1.0 pts"
+    assert f"{seed_1}; seed 2: p50 0.93x, p95 0.80x, +0.0 pts." in tables
 
 
 def test_bad_matrix_settings() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from bench.harness import PolicyRun
 from bench.loadgen import Result
-from bench.report import add_ratios, goals, markdown, percentile, summarize
+from bench.report import add_ratios, concatenate, goals, markdown, percentile, summarize
 
 
 def results(ttfts_s: list[float], cached: int = 0, decision_ms: float = 0.0) -> list[Result]:
@@ -40,6 +40,45 @@ def test_summary_scales_to_simulated_time_and_counts_engine_hits() -> None:
 def test_oracle_latencies_are_net_of_its_probe_time() -> None:
     run = PolicyRun("oracle", results([0.2], decision_ms=100.0), wall_s=1.0)
     assert summarize(run, time_scale=1.0).ttft_ms["p50"] == pytest.approx(100.0)
+
+
+def test_passes_of_several_seeds_pool_as_one_run() -> None:
+    first = results([0.2, 0.4], cached=50)  # group 0 on r0 and r1; the last answer at 2.4 s
+    second = results([0.6, 0.8, 1.0], cached=100)  # group 0 again: another seed's prefix
+    for r in second:
+        r.replica = "r1"
+    runs = [
+        PolicyRun(
+            "kvrouter", first, 2.0, router_stats={"retries": 1.0, "stage_total_ms": 2.0},
+            engine_stats={"preemptions": 0.0, "prefix_cache_hits": 5.0},
+            engine_requests={"r0": 1, "r1": 1},
+        ),
+        PolicyRun(
+            "kvrouter", second, 3.0, router_stats={"retries": 2.0, "stage_total_ms": 4.0},
+            engine_stats={"preemptions": 0.0, "prefix_cache_hits": 7.0},
+            engine_requests={"r1": 3},
+        ),
+    ]  # fmt: skip
+    pooled = concatenate(runs)
+    assert [r.sent_s for r in pooled.results] == [0.0, 1.0, 2.4, 3.4, 4.4]
+    assert [r.group for r in pooled.results] == [0, 0, 1, 1, 1]
+    assert [r.conversation for r in pooled.results] == [0, 1, 2, 3, 4]
+    assert pooled.router_stats == {"retries": 3.0, "stage_total_ms": 3.0}
+    assert pooled.engine_stats == {"preemptions": 0.0, "prefix_cache_hits": 12.0}
+    assert pooled.engine_requests == {"r0": 1, "r1": 4}
+    assert pooled.wall_s == 5.0
+    summary = summarize(pooled, time_scale=1.0)
+    assert summary.ttft_ms["p50"] == pytest.approx(600.0)  # the middle of all five
+    assert summary.hit_rate == pytest.approx(400 / 500)
+    assert summary.engines_per_group == pytest.approx(1.5)  # 2 engines, then 1
+    assert summary.makespan_s == pytest.approx(6.4)  # 2.4 s, then 4.0 s from the second
+    # the runs themselves are left as they were, and one pass is itself
+    assert [r.group for r in second] == [0, 0, 0] and second[0].sent_s == 0.0
+    assert concatenate(runs[:1]) is runs[0]
+    with pytest.raises(ValueError, match="no runs"):
+        concatenate([])
+    with pytest.raises(ValueError, match="different policies"):
+        concatenate([runs[0], PolicyRun("smg", first, 1.0)])
 
 
 def test_ratios_and_goals() -> None:
