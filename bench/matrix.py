@@ -93,10 +93,10 @@ POLICIES_DEFAULT: Final = (
 )
 PRESSURE: Final = 700  # blocks: the 10 prefixes (3,010 blocks) do not fit in 4 x 700
 # Where the caches hold every prefix at light load, every prefix-aware router keeps each
-# group home and the verdict turns on a few milliseconds of p95: one run's p95 moved by 5 %
-# between two runs of the same policy (4,096 blocks: kvrouter 60 then 57, smg 55 then 56),
-# and the best of three peers' noisy values sits below what each would give. Those cells
-# pool three seeds.
+# group home and the verdict turns on a few milliseconds of p95, which one pass does not
+# settle (1,024 blocks: smg's p95 was 54.7, 73.3 and 61.0 ms in three seeds' passes), and
+# the best of three peers' noisy values sits below what each would give (4,096 blocks: the
+# best peer's p95 52.3-53.4 pass by pass, 54.8 pooled). Those cells pool three seeds.
 LIGHT_SEEDS: Final = 3
 EVENT_AXES: Final = ("routers", "bypass", "restart")  # where only events know the truth
 README_BEGIN: Final = "<!-- bench:matrix:begin -->"
