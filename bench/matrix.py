@@ -41,7 +41,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -268,8 +268,12 @@ def run_cell(cell: Cell, settings: MatrixSettings, path: Path) -> dict[str, Any]
     for seed in seeds:
         if seed != bench.seed:
             console.stage(f"[{cell.axis}] {cell.label}: seed {seed}")
-        each = dataclasses.replace(
-            plan(dataclasses.replace(bench, seed=seed)), policies=chosen.policies
+        each = (
+            chosen
+            if seed == bench.seed
+            else dataclasses.replace(
+                plan(dataclasses.replace(bench, seed=seed)), policies=chosen.policies
+            )
         )
         runs = Harness(each.fleet, each.workload, each.policies, console).run()
         for run in runs:
@@ -361,17 +365,22 @@ class Verdict:
 
 def verdict(cell: Cell, doc: dict[str, Any]) -> Verdict:
     summaries, _ = from_document(doc)
-    out = Verdict(cell, doc, summaries)
-    peers = {name: s for name, s in summaries.items() if name in PEERS}
-    for metric in ("p50", "p95", "hit_rate"):
-        if not peers:
-            break
-        if metric == "hit_rate":
-            name = max(peers, key=lambda n: peers[n].hit_rate)
-            out.best[metric] = (name, peers[name].hit_rate)
-        else:
-            name = min(peers, key=lambda n: peers[n].ttft_ms[metric])
-            out.best[metric] = (name, peers[name].ttft_ms[metric])
+    best = best_peers({name: _headline(s) for name, s in summaries.items()})
+    return Verdict(cell, doc, summaries, best)
+
+
+def best_peers(headlines: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[str, float]]:
+    """The best real peer per metric of :func:`_headline`'s: the lowest TTFT p50 and p95, the
+    highest hit rate (empty where no peer ran)."""
+    peers = {name: h for name, h in headlines.items() if name in PEERS}
+    if not peers:
+        return {}
+    out = {}
+    for metric in ("p50", "p95"):
+        name = min(peers, key=lambda n: peers[n][metric])
+        out[metric] = (name, peers[name][metric])
+    name = max(peers, key=lambda n: peers[n]["hit_rate"])
+    out["hit_rate"] = (name, peers[name]["hit_rate"])
     return out
 
 
@@ -478,16 +487,12 @@ def per_seed(v: Verdict) -> str:
     """A pooled cell's verdict ratios seed by seed (best peer / kvrouter), or nothing."""
     lines = []
     for one in v.doc.get("passes", []):
-        policies = one["policies"]
-        peers = {k: p for k, p in policies.items() if k in PEERS}
-        kv = policies.get("kvrouter")
-        if not peers or not kv:
+        best, kv = best_peers(one["policies"]), one["policies"].get("kvrouter")
+        if not best or not kv:
             continue
-        ratios = [min(p[q] for p in peers.values()) / kv[q] for q in ("p50", "p95")]
-        hits = 100.0 * (kv["hit_rate"] - max(p["hit_rate"] for p in peers.values()))
-        lines.append(
-            f"seed {one['seed']}: p50 {ratios[0]:.2f}x, p95 {ratios[1]:.2f}x, {hits:+.1f} pts"
-        )
+        p50, p95 = (best[q][1] / kv[q] for q in ("p50", "p95"))
+        hits = 100.0 * (kv["hit_rate"] - best["hit_rate"][1])
+        lines.append(f"seed {one['seed']}: p50 {p50:.2f}x, p95 {p95:.2f}x, {hits:+.1f} pts")
     if not lines:
         return ""
     return "\nBest peer / kvrouter in each seed's pass: " + "; ".join(lines) + ".\n"
