@@ -28,14 +28,16 @@ from bench.report import Summary, document
 from tracker.errors import ConfigError
 
 
-def summary(policy: str, p50: float, p95: float, hit: float) -> Summary:
+def summary(
+    policy: str, p50: float, p95: float, hit: float, *, mean: float = 0.0, rate: float = 1.0
+) -> Summary:
     return Summary(
         policy=policy,
         requests=10,
         errors=0,
-        ttft_ms={"p50": p50, "p95": p95, "p99": p95, "mean": p50},
+        ttft_ms={"p50": p50, "p95": p95, "p99": p95, "mean": mean or p50},
         e2e_ms={"p50": 1.0, "p95": 1.0, "p99": 1.0, "mean": 1.0},
-        output_tokens_per_s=1.0,
+        output_tokens_per_s=rate,
         hit_rate=hit,
         prompt_tokens=100,
         cached_tokens=int(100 * hit),
@@ -110,6 +112,24 @@ def test_verdict_against_the_best_peer_per_metric() -> None:
     assert verdict(plain, even.doc).met
     alone = verdict(plain, doc(summary("kvrouter", 1, 1, 0.5)))
     assert math.isnan(alone.ratio("p50")) and not alone.met
+    assert all(math.isnan(x) for x in alone.beside())
+
+
+def test_beside_the_goal_the_mean_and_the_throughput_of_the_best_peers() -> None:
+    # an overload cell: a peer that sacrifices one engine has the median, not the mean
+    found = verdict(
+        Cell("load", "100%", {}),
+        doc(
+            summary("kvrouter", 470, 3100, 0.93, mean=920, rate=1300),
+            summary("smg", 170, 14500, 0.76, mean=3540, rate=700),
+            summary("vllm-cache", 190, 14200, 0.78, mean=3400, rate=706),
+            summary("round-robin", 100, 900, 0.2, mean=300, rate=2000),  # not a peer
+        ),
+    )
+    assert not found.met  # the goal reads only p50, p95 and hits
+    mean, rate = found.beside()
+    assert mean == pytest.approx(3400 / 920) and rate == pytest.approx(1300 / 706)
+    assert "| **missed** | 3.70x / 1.84x |" in axis_table([found])
 
 
 def test_report_tables_and_the_readme_section(tmp_path: Path) -> None:
@@ -118,6 +138,7 @@ def test_report_tables_and_the_readme_section(tmp_path: Path) -> None:
     table = axis_table([found])
     assert "| 25% | 80.0% / 20 / 90 | 70.0% / 40 / 90 |" in table
     assert "+10.0 pts" in table and "2.22x" in table and "met (events)" in table
+    assert table.rstrip().endswith("| met (events) | 1.02x / 1.00x |")
     assert report([found]).startswith("**outside traffic")
     text = f"intro\n{README_BEGIN}\nold\n{README_END}\nrest\n"
     assert replace_section(text, "new\n") == f"intro\n{README_BEGIN}\nnew\n{README_END}\nrest\n"
