@@ -9,9 +9,14 @@ router instead: when a request hits a prefix held by one replica whose KV usage 
 ``kv_usage`` or more, and another replica is idle with room in its cache for the prefix
 beside the prefixes routed requests keep using there, the router sends that replica the
 prefix's tokens as a one-token completion in the background. No client waits for it; the
-next requests of the group find two homes and go to the less loaded one. Where caches cannot
-hold a second copy (the replicas' reused prefixes fill them) or no replica is idle, nothing
-is copied, so under KV pressure and overload the policy's choices are unchanged.
+next requests of the group find two homes and go to the less loaded one.
+
+A copy takes KV memory the fleet's own bursts need, so it is made only while the fleet keeps
+``headroom`` times what its requests in flight take beside the prefixes in use (their mean
+count, which a router watches for ``watch_s`` before it copies anything), and only to an
+idle replica whose cache holds it beside the prefixes reused there. Where the caches cannot
+hold a second copy, or the fleet is loaded, or no replica is idle, nothing is copied and the
+policy's choices are unchanged.
 
 :func:`plan_copy` decides (pure); :class:`Replicator` sends and counts. The copy goes through
 the shared load board like a routed request (its prefill is queued work there) and is

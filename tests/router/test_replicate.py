@@ -7,6 +7,8 @@ hold the prefix afterwards.
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -150,3 +152,9 @@ async def test_a_hit_on_a_single_home_copies_the_prefix_into_the_idle_engine(
         else:
             assert cached == 0
             assert await copies() == 0
+        # a prefix with two homes is not copied again, wherever its next request goes
+        fourth = await client.post("/v1/chat/completions", json=chat(system, "fourth"))
+        assert fourth.status_code == 200
+        await asyncio.sleep(0.3)
+        total = metric((await client.get("/metrics")).text, "kvrouter_router_prefix_copies_total")
+        assert total == (1 if copy_at <= 1 else 0)
