@@ -414,7 +414,6 @@ class Harness:
             "kvrouter_router_retries_total": "retries",
             "kvrouter_router_upstream_errors_total": "upstream_errors",
             "kvrouter_router_stream_errors_total": "stream_errors",
-            "kvrouter_router_prefix_copies_total": "prefix_copies",
         }
         stages = ("tokenize", "hash", "lookup", "score", "probe", "total")
         for stage in stages:

@@ -36,7 +36,6 @@ from router.metrics import METRICS_CONTENT_TYPE, MismatchDetector, RouterMetrics
 from router.placement import Placement, Placer, TokenizerBook
 from router.proxy import CLIENT_CLOSED, Proxy, read_body
 from router.replicas import Replica, ReplicaSet
-from router.replicate import CopyConfig, Replicator
 from router.requests import parse
 from router.routefeed import RouteFeed
 from router.upstream import UpstreamClient
@@ -109,17 +108,6 @@ class Router:
             metrics=self.metrics,
             journal=DecisionJournal(settings.decision_log) if settings.decision_log else None,
         )
-        if settings.copy_at_kv_usage <= 1:
-            self.placer.replicator = Replicator(
-                CopyConfig(kv_usage=settings.copy_at_kv_usage, watch_s=settings.copy_watch_s),
-                replicas=self.replicas,
-                upstream=self.upstream,
-                load=self.load,
-                shared=self.shared,
-                metrics=self.metrics,
-                predict_ttl_s=settings.predict_ttl_s,
-                timeout_s=settings.first_byte_timeout_s,
-            )
         self.placer.baseline = make_baseline(
             settings,
             Tools(self.load, self._shared_loads, self.placer.token_ids, self.upstream),
@@ -206,8 +194,6 @@ class Router:
             self.placer.occupancy.forget(replica)
 
     async def stop(self) -> None:
-        if self.placer.replicator is not None:
-            await self.placer.replicator.stop()
         await self.monitor.stop()
         await self.shared.stop()
         if self.feed is not None:

@@ -167,18 +167,6 @@ class RouterSettings(ServiceSettings):
         "requests were sent there with it within this window; the rest of its cache is free "
         "to evict (0: every cached block counts)",
     )
-    copy_at_kv_usage: float = setting(
-        0.85,
-        "a prefix held by one replica is copied in the background (a one-token request) to "
-        "an idle replica with room for it when a request hits it while the holder's KV usage "
-        "is at least this (0..1; above 1: off)",
-    )
-    copy_watch_s: float = setting(
-        20.0,
-        "a router copies prefixes only after watching the fleet's load this long; the copy "
-        "must leave the fleet 3x the KV its requests in flight took on average (half-life: "
-        "half of this)",
-    )
     recent_load_half_life_s: float = setting(
         1.0,
         "a replica's requests in flight over the last seconds (mean, halving its weight "
@@ -273,8 +261,6 @@ class RouterSettings(ServiceSettings):
             "default_output_tokens",
             "kv_full_penalty_ms",
             "decode_ms_per_request",
-            "copy_at_kv_usage",
-            "copy_watch_s",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 0")

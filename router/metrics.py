@@ -187,12 +187,6 @@ class RouterMetrics:
             )
         )
         self.predictions = counter("predictions", "Predict-on-route index writes", ("status",))
-        self.prefix_copies = counter(
-            "prefix_copies",
-            "Prefixes copied to a second home in the background, by destination and outcome "
-            "(ok, status, error)",
-            ("replica", "outcome"),
-        )
         self.breaker_open = gauge(
             "index_breaker_open", "1 while the index circuit breaker is open", workers="livemax"
         )

@@ -30,7 +30,6 @@ from router.metrics import RouterMetrics
 from router.occupancy import OccupancyBook
 from router.policy import Decision, PolicyConfig, ReplicaState, Score, decide
 from router.replicas import Replica, ReplicaSet
-from router.replicate import Replicator
 from router.requests import PromptRequest
 from router.reuse import ReuseBook
 from router.tokenize import PromptTokenizer
@@ -134,12 +133,10 @@ class Placer:
         rng: random.Random | None = None,
         baseline: Baseline | None = None,
         journal: DecisionJournal | None = None,
-        replicator: Replicator | None = None,
     ) -> None:
         self.settings = settings
         self.baseline = baseline
         self.journal = journal
-        self.replicator = replicator
         self.replicas = replicas
         self.tokenizers = tokenizers
         self.shared = shared
@@ -285,64 +282,26 @@ class Placer:
         stages["score"] = done - looked_up
         stages["total"] = done - started
         if not dry_run:
-            self._record(
-                request,
-                namespace,
-                ids=ids,
-                keys=keys,
-                view=view,
-                states=states,
-                decision=decision,
-                fallback=fallback,
-                stages=stages,
-            )
+            for stage, seconds in stages.items():
+                self.metrics.decision.labels(stage).observe(seconds)
+            if self.occupancy is not None:  # the request joins the chosen replica's count
+                state = next(s for s in states if s.id == decision.replica)
+                self.occupancy.observe(state.id, state.inflight + 1)
+            if self.reuse is not None and keys:  # the replica holds the whole chain after it
+                self.reuse.record(decision.replica, keys[0], len(keys))
+            if self.journal is not None:
+                self.journal.record(
+                    model=model,
+                    prompt_tokens=len(ids),
+                    keys=keys,
+                    matches=view.matches,
+                    states=states,
+                    decision=decision,
+                    fallback=fallback,
+                )
         return Placement(
             model, namespace, len(ids), keys, view.matches, decision, fallback, stages, view.homes
         )
-
-    def _record(
-        self,
-        request: PromptRequest,
-        namespace: Namespace,
-        *,
-        ids: list[int],
-        keys: list[int],
-        view: SharedView,
-        states: list[ReplicaState],
-        decision: Decision,
-        fallback: str | None,
-        stages: dict[str, float],
-    ) -> None:
-        """A routed request's bookkeeping: stage metrics, the books, the journal; and the
-        copy of its prefix to a second home when its only home runs short of KV memory."""
-        for stage, seconds in stages.items():
-            self.metrics.decision.labels(stage).observe(seconds)
-        if self.occupancy is not None:  # the request joins the chosen replica's count
-            state = next(s for s in states if s.id == decision.replica)
-            self.occupancy.observe(state.id, state.inflight + 1)
-        if self.reuse is not None and keys:  # the replica holds the whole chain after it
-            self.reuse.record(decision.replica, keys[0], len(keys))
-        if self.journal is not None:
-            self.journal.record(
-                model=namespace.model,
-                prompt_tokens=len(ids),
-                keys=keys,
-                matches=view.matches,
-                states=states,
-                decision=decision,
-                fallback=fallback,
-            )
-        if self.replicator is None or fallback is not None or decision.mode != "ttft":
-            return
-        chosen = decision.chosen
-        output = request.max_tokens or self.settings.default_output_tokens
-        request_blocks = -(-(chosen.uncached_tokens + output) // namespace.block_size)
-        plan = self.replicator.plan(states, decision.replica, request_blocks)
-        copied = plan is not None and self.replicator.copy(
-            plan, namespace, ids, keys, request.cache_salt
-        )
-        if copied and plan is not None and self.reuse is not None:
-            self.reuse.record(plan.replica, keys[0], plan.blocks)  # worth keeping there too
 
     def _states(
         self, model: str, block_size: int, candidates: Sequence[Replica], view: SharedView
