@@ -45,58 +45,25 @@ against its cache size (:func:`eviction_share`), the home claim from the routers
 where the prompt's prefixes were sent (:class:`Fleet`, ``ReplicaState.home_blocks``).
 docs/architecture.md says why each term is there and what it changed, with numbers.
 
-Defaults and where they come from:
+Defaults: ``s = 0.032 ms/token`` and ``f = 25 ms`` (:data:`DEFAULT_SPEED`, seeds that
+:mod:`router.estimator` refines), ``offload_hit_cost = 0.3``, ``storage_hit_cost = 0.75``,
+``remote_hit_cost = 0.9``, ``unseen_request_tokens = 1024``, ``decode_ms_per_request =
+0.05``, ``kv_high_watermark = 0.9``, ``kv_full_penalty_ms = 250`` (linear from the watermark,
+250 ms at 100 % projected usage, at most 1,250 ms at 150 %), ``miss_weight = 3``.
 
-* ``s = 0.032 ms/token``, ``f = 25 ms`` (:data:`DEFAULT_SPEED`): Llama-3.1-8B, bf16, one
-  H200 (``../shared/calibration/h200-prefill.json``). A cold prefill costs 0.030-0.036 ms
-  per token from 1k to 16k tokens (compute-bound: 4 prompts in one batch take 4x as long),
-  and a hit that leaves 32-128 tokens to prefill costs 23-38 ms whatever the cached length.
-  That floor includes HF eager-mode overhead; vLLM with CUDA graphs is faster, and HTTP and
-  scheduling add their own. These are only seeds: :mod:`router.estimator` learns ``f`` and
-  ``s`` per model from the TTFTs the router observes: within a few dozen requests when the
-  seed has the right order of magnitude, a few hundred when it is 8x off (Llama-70B is
-  ~0.25 ms/token on one H200-equivalent; seed such fleets with ``--prefill-floor-ms`` and
-  ``--prefill-ms-per-token``). The slope is learned only from the rare cold prefills and
-  fades with the many hits: in the 1,024-block benchmark cell, seeded 3x too fast (engines at
-  time scale 3), the learned cold 5k-token prefill stayed at 333 ms against 480 measured.
-* ``offload_hit_cost = 0.3`` (a block in the CPU tier): loading Llama-8B's 128 KiB/token of
-  KV over a ~50 GB/s host link is ~0.003 ms/token (10 % of recomputing it); 0.3 leaves room
-  for the offload connector's scheduling latency. Dynamo credits host-tier hits 0.75 (cost
-  0.25), llm-d 0.8.
-* ``storage_hit_cost = 0.75`` (vLLM's ``STORAGE`` medium on the engine's host): a local NVMe
-  at ~6 GB/s reads that KV in ~0.02 ms/token, two thirds of recomputing it on an H200;
-  Dynamo credits disk hits 0.25 (cost 0.75).
-* ``remote_hit_cost = 0.9`` (locality ``REMOTE``, a store over the network): at the ~1.5 GB/s
-  vLLM's tiering assumes of a network file system, loading is slower than recomputing for an
-  8B model, and vLLM's backpressure then recomputes instead; a remote hit saves little.
-* ``unseen_request_tokens = 1024``: the prefill we assume for a waiting request that no
-  router sent (a typical chat prompt).
-* ``decode_ms_per_request = 0.05``: every running sequence adds its KV read to each engine
-  step; for Llama-8B at 2k context that is 256 MiB, ~0.05 ms of H200 bandwidth. Small next
-  to a prefill, it breaks near-ties towards the replica with the smaller batch.
-* ``kv_high_watermark = 0.9``, ``kv_full_penalty_ms = 250``: above 90 % KV usage vLLM starts
-  to preempt and stops admitting; the penalty grows linearly, 250 ms at 100 % projected
-  usage, up to 1,250 ms at 150 % (a request that would not fit at all).
-* ``miss_weight = 3``: a miss that evicts costs its prefill twice more (once for each later
-  miss it causes, roughly: the prefix it pushes out, and the group it splits), times
-  ``1 + busy``. 2 moved groups on short queue spikes under KV pressure, 4 held them through
-  real overload (docs/architecture.md). With room in the cache the term is 0.
-* ``tie_epsilon_ms = 1``, ``tie_ratio = 0.05``: candidates within 1 ms or 5 % of the best
-  cost are a tie (the estimate is a line through noisy TTFTs: a cold 5k-token prefill on
-  the benchmark's engines took 460-520 ms against one fitted value). A near-tie (beyond
-  1 ms) goes to the prompt's home, then to the one that holds most of the prompt; an exact
-  one to the one that holds most of the prompt, then (a prompt no router has sent before)
-  to the one serving the fewest prefix groups lately, then to the fewest requests in
-  flight, then at random. A copy
-  that saves 4 % of one request's TTFT by the estimate costs cache the score cannot see
-  while the caches have room.
-  ``temperature > 0`` instead samples with probability ``exp((score - best) / temperature)``
-  (temperature in ms).
+Ties: candidates within ``tie_epsilon_ms`` (1) of the best are an exact tie and go to the
+deepest chain; within ``tie_ratio`` (5 %) a near-tie, which goes to the prompt's home, then
+to the deepest chain. What is still tied goes to the least busy (:func:`_busyness`), then at
+random. ``temperature > 0`` instead samples with probability
+``exp((score - best) / temperature)`` (temperature in ms).
+
+docs/architecture.md ("Policy defaults and where they come from") gives each default's
+source.
 
 Linear mode (``mode="linear"``)
 -------------------------------
 
-The issue card's form ``score = hit_weight * matched - load_weight * inflight`` where
+The linear form ``score = hit_weight * matched - load_weight * inflight`` where
 ``matched = gpu_blocks + (1 - offload_hit_cost) * offload_blocks`` (usable blocks only).
 It is unitless (one request in flight cancels ``load_weight / hit_weight`` cached blocks,
 whatever the block size, model or GPU) and needs tuning per fleet; kept for comparison and
@@ -315,17 +282,13 @@ def _active(state: ReplicaState) -> int:
 
 
 def _busyness(state: ReplicaState, fleet: Fleet) -> tuple[int, int, float]:
-    """Which tied candidate comes first (least). For a prompt no router has sent before:
-    the one serving the fewest prefix groups lately (``prefixes``: its load follows its
-    groups; by requests in flight at the moment, the eighth of eight groups arriving 60 ms
-    into an overload went to an engine serving two groups whose requests happened to be
-    fewer right then than those of the engine serving one, and the groups sat 3-2-2-1 over
-    four engines for the whole run), then the fewest requests in flight now, then the fewest
-    over the last seconds (sequential traffic has none in flight at any decision: the
-    replica that served last is the busier, so new prefixes spread instead of piling on one
-    engine at random). A prompt with a home: the fewest in flight now, then the draw
-    (ordered by recent load too, 4 routers split groups over 3.2-3.7 engines each against
-    2.9)."""
+    """Which tied candidate comes first (least).
+
+    A prompt no router has sent before: the one serving the fewest prefix groups lately
+    (``prefixes``), then the fewest requests in flight now, then the least load over the
+    last seconds (``recent_inflight``). A prompt with a home: the fewest in flight now.
+    docs/architecture.md ("Score", ties) gives the measurements behind this order.
+    """
     if fleet.home_tokens:
         return 0, _active(state), 0.0
     return state.prefixes, _active(state), round(state.recent_inflight, 3)
@@ -333,13 +296,7 @@ def _busyness(state: ReplicaState, fleet: Fleet) -> tuple[int, int, float]:
 
 def _near_order(score: Score) -> tuple[int, int]:
     """Which of the candidates within ``tie_ratio`` of the best comes first (least): the
-    prompt's home (after an eviction every replica misses, and near-ties drew groups off
-    their homes; tests/test_topology.py), then the one holding most of the prompt (a copy
-    elsewhere costs cache the score cannot see while the caches have room). Exact ties
-    (``tie_epsilon_ms``) go to the deepest chain, then keep the draw by :func:`_busyness`:
-    a new prompt's second request, waiting behind its first's prefill where the prompt is
-    predicted, came within 1 ms of an idle engine on a loaded host and went there for being
-    idle (tests/router/test_startup_copies.py)."""
+    prompt's home (the least split claim), then the one holding most of the prompt."""
     return round(score.split_tokens), -score.matched_tokens
 
 
