@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.procs import RedisServer, sync_redis
+from tracker.backends import open_index
 from tracker.blocks import Namespace, block_keys
 from tracker.events import (
     BlockStored,
@@ -28,7 +29,7 @@ from tracker.events import (
     decode_batch,
     encode_batch,
 )
-from tracker.index import BlockIndex, MemoryIndex
+from tracker.index import BlockIndex
 from tracker.redis_index import RedisIndex
 
 NAMESPACE = Namespace("bench-model", 16)
@@ -172,7 +173,7 @@ async def memory_per_block(url: str, blocks: int) -> float:
     with sync_redis(url) as client:
         client.flushall()
         before = int(client.info("memory")["used_memory"])
-    index = RedisIndex.from_url(url)
+    index = open_index(url)
     await ingest(index, payloads)
     await index.close()
     with sync_redis(url) as client:
@@ -202,7 +203,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"pairs": pairs, "replicas": args.replicas}
     results["block_keys_per_ms"] = key_chain_rate(4096)
 
-    memory = MemoryIndex()
+    memory = open_index(None)
     seconds = await ingest(memory, payloads)
     results["embedded"] = {
         "ingest_blocks_per_s": pairs / seconds,
@@ -215,7 +216,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         with sync_redis(url) as client:
             client.flushall()
             before = int(client.info("memory")["used_memory"])
-        index = RedisIndex.from_url(url)
+        index = open_index(url)
         cpu = redis_cpu_s(url)
         seconds = await ingest(index, payloads)
         ingest_cpu = redis_cpu_s(url) - cpu

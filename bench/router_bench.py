@@ -38,12 +38,14 @@ from bench.procs import RedisServer
 from bench.proxy_load import ProxySettings, measure, proxy_table
 from router.app import Router
 from router.config import RouterSettings
-from router.load import LoadBoard, LocalLoadBoard, RedisLoadBoard
+from router.load import RedisLoadBoard
 from router.placement import Placement, Placer, TokenizerBook
 from router.requests import PromptRequest, parse
+from router.service import load_board
+from tracker.backends import open_index
 from tracker.blocks import Namespace
 from tracker.events import BlockStored, EventBatch, ExternalHash
-from tracker.index import BlockIndex, MemoryIndex
+from tracker.index import BlockIndex
 from tracker.redis_index import RedisIndex
 
 MODEL: Final = "bench-model"
@@ -277,13 +279,8 @@ async def make_bench(
     name: str, settings: RouterSettings, book: TokenizerBook, workload: Workload, blocks: int
 ) -> Bench:
     """A router over Redis (``settings.redis``) or the embedded index, with placements."""
-    index: BlockIndex
-    load: LoadBoard
-    if settings.redis is not None:
-        index = RedisIndex.from_url(settings.redis)
-        load = RedisLoadBoard(index.client, "bench-router")
-    else:
-        index, load = MemoryIndex(), LocalLoadBoard()
+    index = open_index(settings.redis)
+    load = load_board(index, settings)
     router = Router(settings, index=index, registry=CollectorRegistry(), load=load, tokenizers=book)
     await populate_background(index, blocks, seed=3)
     return Bench(name, router, workload, index)

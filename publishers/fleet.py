@@ -25,6 +25,7 @@ from publishers.faults import debug_routes
 from publishers.registration import RegistrationService
 from publishers.server import create_app
 from publishers.zmq import ZmqEventPublisher, binds
+from tracker.backends import open_index
 from tracker.errors import ConfigError
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, ReplicaRecord
@@ -90,9 +91,7 @@ class FleetService:
             for i in range(self.settings.count):
                 self.replicas.append(await self._start_one(i))
             if self._index is None and self.settings.redis:
-                from tracker.redis_index import RedisIndex  # noqa: PLC0415
-
-                self._index = RedisIndex.from_url(self.settings.redis)
+                self._index = open_index(self.settings.redis)
                 self._owns_index = True
             if self._index is not None:
                 self._registration = RegistrationService(

@@ -28,6 +28,7 @@ import msgspec
 from publishers.commands import AttachSettings, tcp_parts
 from publishers.registration import HealthCheck, RegistrationService
 from publishers.zmq import endpoint_for_rank
+from tracker.backends import open_index
 from tracker.errors import ConfigError
 from tracker.index import BlockIndex, ReplicaRecord
 from tracker.lifecycle import run_on_loop
@@ -143,9 +144,7 @@ async def attach(
     assert settings.redis is not None and settings.url is not None
     owned: BlockIndex | None = None
     if index is None:
-        from tracker.redis_index import RedisIndex  # noqa: PLC0415
-
-        index = owned = RedisIndex.from_url(settings.redis)
+        index = owned = open_index(settings.redis)
     timeout = httpx.Timeout(settings.health_timeout_s)
     async with httpx.AsyncClient(timeout=timeout) as client:
         service = RegistrationService(

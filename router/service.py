@@ -30,6 +30,7 @@ from router.placement import TokenizerBook
 from router.routefeed import REFRESH_S as ROUTE_REFRESH_S
 from router.routefeed import RouteFeed
 from router.workers import WorkerPool, worker_count
+from tracker.backends import open_index
 from tracker.config import TrackerSettings
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex
@@ -51,6 +52,26 @@ def tracker_settings(settings: RouterSettings) -> TrackerSettings:
         shutdown_timeout_s=min(5.0, settings.shutdown_timeout_s),
         log_level=settings.log_level,
         log_format=settings.log_format,
+    )
+
+
+def load_board(index: BlockIndex, settings: RouterSettings) -> LoadBoard:
+    """The load board that goes with ``index``: for a shared (Redis) index, a
+    :class:`~router.load.RedisLoadBoard` on the index's client, as ``settings.router_id``,
+    with ``settings.lease_ttl_s`` and ``settings.load_renew_s``; otherwise a
+    :class:`~router.load.LocalLoadBoard` of this process alone.
+
+    :raises ValueError: for a shared index and no ``settings.router_id``.
+    """
+    from tracker.redis_index import RedisIndex  # noqa: PLC0415 - only when used
+
+    if not isinstance(index, RedisIndex):
+        return LocalLoadBoard()
+    return RedisLoadBoard(
+        index.client,
+        settings.router_id or "",
+        lease_ttl_s=settings.lease_ttl_s,
+        renew_interval_s=settings.load_renew_s,
     )
 
 
@@ -96,22 +117,10 @@ class RouterService:
         """Open the index, start the embedded tracker, serve; undo everything on failure."""
         settings = self.settings
         try:
-            load: LoadBoard
             feed: RouteFeed | None = None
-            if settings.redis and not settings.local_index:
-                from tracker.redis_index import RedisIndex  # noqa: PLC0415 - only when used
-
-                index = RedisIndex.from_url(settings.redis)
-                self.index = index
-                load = RedisLoadBoard(
-                    index.client,
-                    self.router_id,
-                    lease_ttl_s=settings.lease_ttl_s,
-                    renew_interval_s=settings.load_renew_s,
-                )
-            else:
-                self.index = MemoryIndex()
-                load = LocalLoadBoard()
+            self.index = open_index(None if settings.local_index else settings.redis or None)
+            load = load_board(self.index, settings)
+            if isinstance(self.index, MemoryIndex):  # the index is this process's own
                 if settings.redis:
                     self._redis = open_redis(settings.redis)
                     load = RedisLoadBoard(

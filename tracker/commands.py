@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+from tracker.backends import open_index
 from tracker.blocks import Namespace, block_keys
 from tracker.cli import Command
 from tracker.config import LookupSettings, TrackerSettings
@@ -42,11 +43,9 @@ def parse_token_ids(text: str) -> list[int]:
 
 async def lookup(settings: LookupSettings, tokens: list[int]) -> dict[str, object]:
     """Per replica: matched blocks and tokens for ``tokens`` in the shared index."""
-    from tracker.redis_index import RedisIndex  # noqa: PLC0415
-
     namespace = Namespace(settings.model, settings.block_size, settings.lora)
     keys = block_keys(tokens, namespace, lookahead=settings.lookahead_tokens)
-    index = RedisIndex.from_url(settings.redis)
+    index = open_index(settings.redis)
     try:
         matches = await index.lookup(namespace, keys)
     finally:

@@ -21,11 +21,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tracker.backends import open_index
 from tracker.blocks import Namespace
 from tracker.config import TrackerSettings
 from tracker.errors import ConfigError, FencedError, IndexUnavailableError
 from tracker.http import HTTPServer, bind
-from tracker.index import BlockIndex, MemoryIndex, ReplicaRecord
+from tracker.index import BlockIndex, ReplicaRecord
 from tracker.lifecycle import freeze_heap, run_on_loop, run_until_signalled, running_loop_name
 from tracker.metrics import TrackerMetrics
 from tracker.streams import ReplicaTarget
@@ -497,18 +498,14 @@ class TrackerService:
 
 async def serve(settings: TrackerSettings) -> int:
     """Build the index, run a service until SIGINT/SIGTERM, close the index."""
-    index: BlockIndex
+    index = open_index(settings.redis or None)
     lease: TrackerLease | None = None
-    if settings.redis:
+    if settings.lease_ttl_s:  # TrackerSettings allows a lease only with --redis
         from tracker.lease import TrackerLease  # noqa: PLC0415 - redis only when used
         from tracker.redis_index import RedisIndex  # noqa: PLC0415
 
-        redis_index = RedisIndex.from_url(settings.redis)
-        if settings.lease_ttl_s:
-            lease = TrackerLease(redis_index.client, settings.election, settings.lease_ttl_s)
-        index = redis_index
-    else:
-        index = MemoryIndex()
+        assert isinstance(index, RedisIndex)
+        lease = TrackerLease(index.client, settings.election, settings.lease_ttl_s)
     try:
         service = TrackerService(settings, index, CollectorRegistry(), freeze=True, lease=lease)
         return await run_until_signalled(service)
