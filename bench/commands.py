@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
-from bench.capacity import Capacity, EngineShape, WorkloadShape, capacity, measure_shape
+from bench.capacity import EngineShape, capacity, measure_shape
 from bench.harness import POLICIES, FleetConfig, Harness
 from bench.peers import INSTALL_HINT, missing
+from bench.plan import Plan
+from bench.plots import require_matplotlib
 from bench.stack import VllmEngines
 from bench.workloads import (
     WORKLOADS,
@@ -190,41 +191,6 @@ def build_workload(settings: BenchSettings) -> Workload:
     return mooncake(path, speedup=s.speedup, max_requests=s.max_requests, seed=s.seed)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Everything decided before the fleet starts."""
-
-    workload: Workload
-    fleet: FleetConfig
-    policies: tuple[str, ...]
-    shape: WorkloadShape
-    capacity: Capacity
-    rate_rps: float
-    load: float
-
-    def meta(self) -> dict[str, Any]:
-        return {
-            "workload": {"name": self.workload.name, **self.workload.params},
-            "requests": self.workload.requests,
-            "fleet": {
-                k: v
-                for k, v in dataclasses.asdict(self.fleet).items()
-                if k not in ("workdir", "vllm")
-            },
-            "vllm": None
-            if self.fleet.vllm is None
-            else {"binary": str(self.fleet.vllm.binary), "model": str(self.fleet.vllm.model)},
-            "time_scale": self.fleet.time_scale,
-            "shape": dataclasses.asdict(self.shape),
-            "ideal_hit_rate": self.shape.ideal_hit_rate,
-            "capacity": dataclasses.asdict(self.capacity),
-            "rate_rps": self.rate_rps,
-            "load": self.load,
-            "policies_order": list(self.policies),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
-
-
 def plan(settings: BenchSettings) -> Plan:
     """Workload, fleet, capacity and arrival rate for ``settings``."""
     quick = settings.quick
@@ -275,6 +241,8 @@ def plan(settings: BenchSettings) -> Plan:
 def run(settings: BenchSettings) -> int:
     from bench.console import Console  # rich only when the command runs
 
+    if settings.plot:
+        require_matplotlib("--plot")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     chosen = plan(settings)
     console = Console()

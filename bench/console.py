@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console as RichConsole
 from rich.progress import (
@@ -25,10 +25,9 @@ from rich.table import Table
 
 from bench.harness import Hooks, PolicyRun
 from bench.loadgen import Result
+from bench.plan import Plan
+from bench.plots import plot
 from bench.report import Goal, Summary, add_ratios, document, goals, rows, summarize, write_json
-
-if TYPE_CHECKING:
-    from bench.commands import Plan
 
 
 def summaries_of(runs: Sequence[PolicyRun], time_scale: float) -> dict[str, Summary]:
@@ -173,8 +172,6 @@ class Console(Hooks):
             write_json(doc, json_path)
             self.out.print(f"wrote {json_path}")
         if plot_path is not None:
-            from bench.plots import plot  # matplotlib is slow to import
-
             title = f"{chosen.workload.describe()}, {chosen.fleet.replicas} engines"
             for path in plot(runs, summaries, scale, plot_path, title):
                 self.out.print(f"wrote {path}")

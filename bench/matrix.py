@@ -36,30 +36,28 @@ docs/matrix.md are written from the same files.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
-import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from bench.capacity import EngineShape, WorkloadShape, capacity, ttft_floors
 from bench.commands import BenchSettings, plan
 from bench.harness import POLICIES, Harness, PolicyRun
-from bench.peers import INSTALL_HINT, PEERS, missing
+from bench.peers import INSTALL_HINT, missing
+from bench.plots import matrix_plots, require_matplotlib
 from bench.report import (
-    Summary,
     add_ratios,
     concatenate,
     document,
-    from_document,
     percentile,
     summarize,
 )
 from bench.report import markdown as policy_table
+from bench.verdicts import Cell, Verdict, best_peers, headline, verdict
 from publishers.latency import load_profile
 from tracker.cli import Command
 from tracker.config import LogSettings
@@ -101,39 +99,6 @@ LIGHT_SEEDS: Final = 3
 EVENT_AXES: Final = ("routers", "bypass", "restart")  # where only events know the truth
 README_BEGIN: Final = "<!-- bench:matrix:begin -->"
 README_END: Final = "<!-- bench:matrix:end -->"
-_TOLERANCE: Final = 0.03
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One scenario: a label on its axis and the ``kvrouter bench`` settings that make it.
-
-    :param events: only event-driven state knows the truth here (several routers, eviction
-        pressure, outside traffic, restarts): kvrouter must beat the best peer outright.
-    :param seeds: passes, each with the workload and arrivals of its own seed (the bench's
-        seed, then the next ones), every policy in each; the cell's numbers pool them.
-    """
-
-    axis: str
-    label: str
-    settings: dict[str, Any]
-    events: bool = False
-    seeds: int = 1
-
-    @property
-    def digest(self) -> str:
-        """Of what is run: cells of equal settings (on two axes) share one run."""
-        run = self.settings if self.seeds == 1 else {**self.settings, "seeds": self.seeds}
-        return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:8]
-
-    @property
-    def key(self) -> str:
-        """Names the result file."""
-        return f"{_slug(self.axis)}-{_slug(self.label)}-{self.digest}"
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def cells(axes: Sequence[str] = AXES) -> list[Cell]:
@@ -279,7 +244,7 @@ def run_cell(cell: Cell, settings: MatrixSettings, path: Path) -> dict[str, Any]
         for run in runs:
             passes.setdefault(run.policy, []).append(run)
         seen = {r.policy: summarize(r, each.fleet.time_scale) for r in runs}
-        per_seed.append({"seed": seed, "policies": {k: _headline(v) for k, v in seen.items()}})
+        per_seed.append({"seed": seed, "policies": {k: headline(v) for k, v in seen.items()}})
     runs = [concatenate(v) for v in passes.values()]
     summaries = {r.policy: summarize(r, chosen.fleet.time_scale) for r in runs}
     add_ratios(summaries)
@@ -309,96 +274,7 @@ def run_cell(cell: Cell, settings: MatrixSettings, path: Path) -> dict[str, Any]
     return doc
 
 
-def _headline(summary: Summary) -> dict[str, float]:
-    """What a pass's verdict reads: TTFT p50 and p95 and the hit rate."""
-    return {
-        "p50": summary.ttft_ms["p50"],
-        "p95": summary.ttft_ms["p95"],
-        "hit_rate": summary.hit_rate,
-    }
-
-
-# ------------------------------------------------------------------ verdicts
-
-
-@dataclass
-class Verdict:
-    """kvrouter against the best real peer in one cell (NaN where nothing to compare)."""
-
-    cell: Cell
-    doc: dict[str, Any]
-    summaries: dict[str, Summary]
-    best: dict[str, tuple[str, float]] = field(default_factory=dict)
-
-    @property
-    def kv(self) -> Summary | None:
-        return self.summaries.get("kvrouter")
-
-    def ratio(self, metric: str) -> float:
-        """Best peer's latency over kvrouter's (> 1: kvrouter better); hit rate: points."""
-        kv, best = self.kv, self.best.get(metric)
-        if kv is None or best is None:
-            return math.nan
-        if metric == "hit_rate":
-            return 100.0 * (kv.hit_rate - best[1])
-        mine = kv.ttft_ms[metric]
-        return best[1] / mine if mine else math.nan
-
-    def beside(self) -> tuple[float, float]:
-        """Outside the goal, for how a cell is read: the lowest mean TTFT of any peer over
-        kvrouter's, and kvrouter's output tokens/s over the highest of any peer (> 1: kvrouter
-        better). A router that sacrifices one engine under overload has the lower median;
-        the mean and the throughput show what that cost (NaN where nothing to compare)."""
-        kv = self.kv
-        peers = [s for name, s in self.summaries.items() if name in PEERS]
-        if kv is None or not peers:
-            return math.nan, math.nan
-        mean = min(s.ttft_ms["mean"] for s in peers)
-        rate = max(s.output_tokens_per_s for s in peers)
-        mine = kv.ttft_ms["mean"]
-        return (
-            mean / mine if mine else math.nan,
-            kv.output_tokens_per_s / rate if rate else math.nan,
-        )
-
-    @property
-    def ties(self) -> bool:
-        """At least the best peer's TTFT p50, p95 and hit rate, within 3 %."""
-        kv = self.kv
-        if kv is None or not self.best:
-            return False
-        latency = all(kv.ttft_ms[q] <= (1 + _TOLERANCE) * self.best[q][1] for q in ("p50", "p95"))
-        return latency and kv.hit_rate >= (1 - _TOLERANCE) * self.best["hit_rate"][1]
-
-    @property
-    def wins(self) -> bool:
-        """Strictly better: >= 1.3x on TTFT p95 or >= 5 points of hit rate."""
-        return self.ratio("p95") >= 1.3 or self.ratio("hit_rate") >= 5.0
-
-    @property
-    def met(self) -> bool:
-        return self.ties and (self.wins or not self.cell.events)
-
-
-def verdict(cell: Cell, doc: dict[str, Any]) -> Verdict:
-    summaries, _ = from_document(doc)
-    best = best_peers({name: _headline(s) for name, s in summaries.items()})
-    return Verdict(cell, doc, summaries, best)
-
-
-def best_peers(headlines: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[str, float]]:
-    """The best real peer per metric of :func:`_headline`'s: the lowest TTFT p50 and p95, the
-    highest hit rate (empty where no peer ran)."""
-    peers = {name: h for name, h in headlines.items() if name in PEERS}
-    if not peers:
-        return {}
-    out = {}
-    for metric in ("p50", "p95"):
-        name = min(peers, key=lambda n: peers[n][metric])
-        out[metric] = (name, peers[name][metric])
-    name = max(peers, key=lambda n: peers[n]["hit_rate"])
-    out["hit_rate"] = (name, peers[name]["hit_rate"])
-    return out
+# ------------------------------------------------------------------ report
 
 
 def _ms(value: float) -> str:
@@ -547,6 +423,8 @@ def load_verdicts(settings: MatrixSettings) -> list[Verdict]:
 
 
 def run(settings: MatrixSettings) -> int:
+    if settings.plots:
+        require_matplotlib("--plots")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     failed = 0
     if not settings.report:
@@ -568,8 +446,6 @@ def run(settings: MatrixSettings) -> int:
             "simulated H200 ms; see docs/benchmarks.md for the method).\n\n" + full_tables(verdicts)
         )
     if settings.plots:
-        from bench.plots import matrix_plots  # matplotlib is slow to import
-
         for path in matrix_plots(verdicts, Path(settings.plots)):
             print(f"wrote {path}")
     return 1 if failed else 0

@@ -1,7 +1,9 @@
 """PNG plots of a benchmark run (matplotlib, Agg backend): TTFT CDFs; hit rate and throughput.
 
 ``FILE`` gets the TTFT CDF of every policy (log scale, simulated ms); ``FILE-bars.png`` the
-engine-reported prefix hit rate and output throughput per policy.
+engine-reported prefix hit rate and output throughput per policy. matplotlib (the ``bench``
+extra) is imported only when a figure is drawn; commands that end with plots call
+:func:`require_matplotlib` before they start.
 """
 
 from __future__ import annotations
@@ -10,13 +12,27 @@ import logging
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Final
 
 from bench.harness import PolicyRun
 from bench.report import Summary, latencies_ms
+from bench.verdicts import Verdict
+from tracker.errors import ConfigError
 
-if TYPE_CHECKING:
-    from bench.matrix import Verdict
+INSTALL_HINT: Final = "pip install -e '.[bench]'"
+
+
+def require_matplotlib(option: str) -> None:
+    """Raise ConfigError, naming the extra to install, when matplotlib cannot be imported.
+
+    Commands call it before their run when ``option`` asks for plots, so that a missing
+    package fails at once instead of after the benchmark.
+    """
+    try:
+        import matplotlib  # noqa: F401 - slow to import: only when plots are asked for
+    except ImportError as exc:
+        reason = str(exc).partition("\n")[0]
+        raise ConfigError(f"{option} needs matplotlib ({reason}): {INSTALL_HINT}") from exc
 
 
 def bars_path(path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""What a benchmark run measured, per policy: summaries, ratios, goals, table, JSON and plots.
+"""What a benchmark run measured, per policy: summaries, ratios, goals, table and JSON.
 
 Latencies are reported in **simulated H200 milliseconds**: the client measures real time and
 divides by the time scale (the engines ran ``time_scale`` times slower than an H200). The
@@ -9,7 +9,8 @@ The hit rate is the engines' own: sum of ``cached_tokens`` over sum of ``prompt_
 Ratios: ``vs_round_robin`` is round-robin's value over the policy's for latencies (how many
 times better) and the policy's over round-robin's for throughput and hit rate;
 ``vs_oracle`` is the policy's value over the oracle's (latency: 1.2 = 20 % slower than the
-oracle; throughput and hit rate: 0.9 = 90 % of the oracle's).
+oracle; throughput and hit rate: 0.9 = 90 % of the oracle's). The plots are drawn by
+:mod:`bench.plots`.
 """
 
 from __future__ import annotations

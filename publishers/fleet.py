@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import zmq
 from prometheus_client import CollectorRegistry
 
-from publishers.commands import WILDCARD_HOSTS, ReplicaSettings, tcp_parts
+from publishers.config import WILDCARD_HOSTS, ReplicaSettings, tcp_parts
 from publishers.engine import EngineConfig, SimulatedEngine
 from publishers.faults import debug_routes
 from publishers.registration import RegistrationService

@@ -25,7 +25,7 @@ from typing import Any, Final
 import httpx
 import msgspec
 
-from publishers.commands import AttachSettings, tcp_parts
+from publishers.config import AttachSettings, tcp_parts
 from publishers.registration import HealthCheck, RegistrationService
 from publishers.zmq import endpoint_for_rank
 from tracker.backends import open_index

@@ -7,7 +7,13 @@ from tracker.cli import Command
 
 
 def _run_router(settings: RouterSettings) -> int:
-    from router.service import run  # noqa: PLC0415 - keep `kvrouter --help` light
+    """One router in this process, or ``--workers N`` router processes on one socket."""
+    from router.workers import WorkerPool, worker_count  # noqa: PLC0415 - keep `--help` light
+
+    count = worker_count(settings)
+    if count > 1:
+        return WorkerPool(settings, count).run()
+    from router.service import run  # noqa: PLC0415
 
     return run(settings)
 

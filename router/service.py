@@ -29,7 +29,6 @@ from router.load import LoadBoard, LocalLoadBoard, RedisLoadBoard, new_router_id
 from router.placement import TokenizerBook
 from router.routefeed import REFRESH_S as ROUTE_REFRESH_S
 from router.routefeed import RouteFeed
-from router.workers import WorkerPool, worker_count
 from tracker.backends import open_index
 from tracker.config import TrackerSettings
 from tracker.http import HTTPServer, bind
@@ -241,8 +240,8 @@ async def serve(settings: RouterSettings, *, sock: socket.socket | None = None) 
 
 
 def run(settings: RouterSettings) -> int:
-    """Entry point of ``kvrouter router``: returns the process exit status."""
-    count = worker_count(settings)
-    if count > 1:
-        return WorkerPool(settings, count).run()
+    """One router in this process until SIGINT/SIGTERM; returns the process exit status.
+
+    ``kvrouter router --workers N`` runs N of them under :class:`router.workers.WorkerPool`.
+    """
     return run_on_loop(serve(settings), settings.loop)

@@ -17,8 +17,9 @@ import pytest
 from bench.commands import BenchSettings, plan, run
 from bench.demo import DemoSettings
 from bench.demo import run as demo
-from bench.matrix import Cell, MatrixSettings, full_tables, run_cell, verdict
+from bench.matrix import MatrixSettings, full_tables, run_cell
 from bench.stack import VllmEngines
+from bench.verdicts import Cell, verdict
 from tracker.errors import ConfigError
 
 pytestmark = [

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from publishers.commands import WILDCARD_HOSTS, AttachSettings, ReplicaSettings, tcp_parts
+from publishers.config import WILDCARD_HOSTS, AttachSettings, ReplicaSettings, tcp_parts
 from publishers.fleet import FleetService
 from publishers.vllm import vllm_env, vllm_flags
 from router.config import RouterSettings

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,118 @@ def test_readme_settings_tables_are_generated_from_the_settings_classes() -> Non
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+PARTS = ("tracker", "router", "publishers", "bench")
+
+
+def module_name(root: Path, path: Path) -> str:
+    """``bench/plots.py`` -> ``bench.plots``; a package's ``__init__.py`` is the package."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, parts: Sequence[str] = PARTS) -> dict[str, set[str]]:
+    """Every module of ``parts`` under ``root`` -> the modules of ``parts`` it imports.
+
+    Every import statement counts, wherever it stands: at module level, inside a function,
+    under ``if TYPE_CHECKING:``. ``from pkg import mod`` names the module ``pkg.mod`` when
+    that is a module of ours, else ``pkg``; ``import a.b.c`` names the longest of ``a.b.c``,
+    ``a.b``, ``a`` that is one. Relative imports are resolved against the importing package.
+    """
+    files = {module_name(root, p): p for part in parts for p in sorted((root / part).rglob("*.py"))}
+
+    def ours(dotted: str) -> str | None:
+        while dotted and dotted not in files:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: list[str] = []
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *filter(None, [node.module])])
+                targets += [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
+                    for alias in node.names
+                ]
+        graph[name] = {t for t in map(ours, targets) if t is not None and t != name}
+    return graph
+
+
+def import_cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for successor in sorted(graph.get(node, ())):
+            if successor not in order:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in stack:
+                low[node] = min(low[node], order[successor])
+        if low[node] == order[node]:
+            component = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return found
+
+
+def describe_cycles(graph: Mapping[str, set[str]], cycles: list[list[str]]) -> str:
+    """Each cycle's modules with the imports that tie them, one module per line."""
+    lines = []
+    for component in cycles:
+        lines.append("cycle: " + ", ".join(component))
+        lines += [
+            f"    {name} -> {', '.join(sorted(graph[name] & set(component)))}" for name in component
+        ]
+    return "\n".join(lines)
+
+
+def test_the_import_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
+    files = {
+        "bench/__init__.py": "",
+        "bench/a.py": "import typing\nif typing.TYPE_CHECKING:\n    from bench.b import B\n",
+        "bench/b.py": "def f():\n    from bench import c\n",
+        "bench/c.py": "from . import a\nimport bench.d.e\n",
+        "bench/d/__init__.py": "",
+        "bench/d/e.py": "from ..c import x\nimport os\n",
+        "router/x.py": "from bench.a import y\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, ("bench", "router"))
+    assert graph == {
+        "bench": set(),
+        "bench.a": {"bench.b"},
+        "bench.b": {"bench.c"},
+        "bench.c": {"bench.a", "bench.d.e"},
+        "bench.d": set(),
+        "bench.d.e": {"bench.c"},
+        "router.x": {"bench.a"},
+    }
+    assert import_cycles(graph) == [["bench.a", "bench.b", "bench.c", "bench.d.e"]]
+
+
+def test_no_import_cycles_between_our_modules() -> None:
+    graph = import_graph(ROOT)
+    cycles = import_cycles(graph)
+    assert not cycles, describe_cycles(graph, cycles)

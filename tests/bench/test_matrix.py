@@ -13,7 +13,6 @@ from bench.matrix import (
     AXES,
     README_BEGIN,
     README_END,
-    Cell,
     MatrixSettings,
     axis_table,
     cells,
@@ -22,9 +21,9 @@ from bench.matrix import (
     replace_section,
     report,
     result_path,
-    verdict,
 )
 from bench.report import Summary, document
+from bench.verdicts import Cell, verdict
 from tracker.errors import ConfigError
 
 

@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from publishers.commands import ReplicaSettings
+from publishers.config import ReplicaSettings
 from tests.procs import free_ports
 from tracker.errors import ConfigError
 from tracker.events import BlockStored, decode_batch, decode_message

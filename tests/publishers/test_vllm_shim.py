@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from publishers.commands import AttachSettings
+from publishers.config import AttachSettings
 from publishers.registration import RegistrationService
 from publishers.vllm import (
     attach,

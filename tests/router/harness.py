@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from publishers.commands import ReplicaSettings
+from publishers.config import ReplicaSettings
 from publishers.engine import SimulatedEngine
 from publishers.fleet import FleetService
 from router.config import RouterSettings

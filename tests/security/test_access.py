@@ -11,7 +11,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from publishers.commands import ReplicaSettings
+from publishers.config import ReplicaSettings
 from router.auth import KeyCheck
 from router.config import RouterSettings
 from tests.router.harness import base_url, chat, engines, router

@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from publishers.commands import ReplicaSettings
+from publishers.config import ReplicaSettings
 from publishers.fleet import FleetService
 from tests.procs import free_port
 from tracker.cli import load_commands
