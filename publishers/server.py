@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -32,7 +32,17 @@ from publishers import protocol as wire
 from publishers.engine import GenerationRequest, RequestStream, SimulatedEngine
 from publishers.metrics import ServerMetrics
 from publishers.protocol import Head, RequestError
-from publishers.serving import BodyLimitMiddleware, RequestIdMiddleware
+from publishers.serving import RequestIdMiddleware
+from tracker.http import (
+    CLIENT_CLOSED,
+    BodyLimitMiddleware,
+    ClientWatch,
+    Handler,
+    answer_errors,
+    content_type_refusal,
+    http_error_handler,
+    metrics_endpoint,
+)
 from tracker.tokens import TokenizationError, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -41,55 +51,41 @@ DEFAULT_MAX_TOKENS: Final = 16
 DEFAULT_MAX_BODY_BYTES: Final = 32 << 20
 THREAD_BODY_BYTES: Final = 4096  # bodies above this are tokenized off the event loop
 _RESERVED_TEMPLATE_KEYS: Final = frozenset({"messages", "tools", "add_generation_prompt"})
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _json_body(request: Request) -> None:
-    """vLLM (FastAPI) reads a body as JSON only when it is declared so, or not declared."""
-    declared = request.headers.get("content-type")
-    if declared is None:
-        return
-    media = declared.partition(";")[0].strip().lower()
-    json = media == "application/json" or (
-        media.startswith("application/") and media.endswith("+json")
-    )
-    if not json:
-        raise RequestError(f"Unsupported content type {declared[:100]!r}: send application/json.")
 
 
 def _openai_errors(handler: Handler) -> Handler:
-    async def wrapped(request: Request) -> Response:
-        try:
-            _json_body(request)
-            return await handler(request)
-        except RequestError as exc:
-            return wire.error_response(exc)
-        except TokenizationError as exc:
-            return wire.error_response(RequestError(str(exc)))
-        except Exception:
-            # a bug: logged with its traceback; the client gets vLLM's error shape, no details
-            logger.exception("request failed", extra={"path": request.url.path})
-            return wire.error_response(RequestError("internal error", 500))
+    """``handler`` for a JSON body (vLLM reads one only when declared so, or not declared),
+    with every error answered in vLLM's shape (a bug's without details)."""
 
-    return wrapped
+    async def checked(request: Request) -> Response:
+        refusal = content_type_refusal(request.headers.get("content-type"))
+        if refusal is not None:
+            raise RequestError(refusal)
+        return await handler(request)
+
+    return answer_errors(
+        checked, _error_response, expected=(RequestError, TokenizationError), log=logger
+    )
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
+def _error_response(exc: Exception) -> Response:
+    """vLLM's error response to ``exc`` (a tokenizer's refusal is a 400, a bug a bare 500)."""
+    if isinstance(exc, RequestError):
+        return wire.error_response(exc)
+    if isinstance(exc, TokenizationError):
+        return wire.error_response(RequestError(str(exc)))
+    return wire.error_response(RequestError("internal error", 500))
+
+
+def _http_error(detail: str, status: int, headers: Mapping[str, str] | None) -> Response:
     """Starlette's 404 / 405 in vLLM's error shape instead of plain text."""
-    assert isinstance(exc, HTTPException)
-    response = wire.json_response(wire.error_body(exc.detail, exc.status_code), exc.status_code)
-    response.headers.update(exc.headers or {})
+    response = wire.json_response(wire.error_body(detail, status), status)
+    response.headers.update(headers or {})
     return response
 
 
 def _first_set(*values: int | None) -> int | None:
     return next((v for v in values if v is not None), None)
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client hangs up (the body must have been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class _Server:
@@ -233,7 +229,7 @@ class _Server:
             return StreamingResponse(events, media_type="text/event-stream")
         tokens = await self._collect(request, stream, started)
         if tokens is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
+            return Response(status_code=CLIENT_CLOSED)  # the client is gone; nobody reads this
         text = self.tokenizer.decode(tokens)
         use = wire.usage(len(ids), len(tokens), stream.cached_tokens)
         build = wire.chat_completion if chat else wire.completion
@@ -244,28 +240,23 @@ class _Server:
     ) -> list[int] | None:
         """All output ids, or None if the client disconnected first (the request is aborted)."""
         tokens: list[int] = []
-
-        async def consume() -> None:
+        watch = ClientWatch(request.receive)
+        try:
             async for step in stream:
                 if not tokens:
                     self.metrics.ttft.observe(time.monotonic() - started)
                 tokens.extend(step)
-
-        consumer = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            if not watch.absorb():
+                raise
+            return None
         finally:
-            watcher.cancel()
-            consumer.cancel()
+            watch.close()
             if stream.finish_reason is None:
                 self.engine.abort(stream.request_id)
             self.metrics.finished(
                 stream.finish_reason, stream.prompt_tokens, len(tokens), time.monotonic() - started
             )
-        if not consumer.done():
-            return None
-        consumer.result()  # re-raises what broke the consumer
         return tokens
 
     async def _events(
@@ -445,9 +436,6 @@ def create_app(
     )
     server = _Server(engine, tokenizer, model, limit, recorder, adapters=tuple(adapters))
 
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
     def post(path: str, handler: Handler) -> Route:
         return Route(path, _openai_errors(handler), methods=["POST"])
 
@@ -462,9 +450,10 @@ def create_app(
         post("/kvrouter/probe", server.probe),
         Route("/v1/models", server.models),
         Route("/health", server.health),
-        Route("/metrics", metrics),
+        Route("/metrics", metrics_endpoint(registry)),
     ]
-    app = Starlette(routes=list(routes), exception_handlers={HTTPException: _http_error})
+    handlers = {HTTPException: http_error_handler(_http_error)}
+    app = Starlette(routes=list(routes), exception_handlers=handlers)
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=max_body_bytes,

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -32,19 +32,25 @@ from router.estimator import SpeedBook
 from router.health import ReplicaMonitor
 from router.journal import DecisionJournal
 from router.load import Load, LoadBoard, LocalLoadBoard, RedisLoadBoard
-from router.metrics import METRICS_CONTENT_TYPE, MismatchDetector, RouterMetrics, exposition
+from router.metrics import MismatchDetector, RouterMetrics, exposition
 from router.placement import Placement, Placer, TokenizerBook
-from router.proxy import CLIENT_CLOSED, Proxy, read_body
+from router.proxy import Proxy
 from router.replicas import Replica, ReplicaSet
-from router.requests import parse
+from router.requests import parse, read_body
 from router.routefeed import RouteFeed
 from router.upstream import UpstreamClient
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
+from tracker.http import (
+    CLIENT_CLOSED,
+    Handler,
+    answer_errors,
+    http_error_handler,
+    metrics_endpoint,
+)
 from tracker.index import BlockIndex, describe_match
 
 logger = logging.getLogger(__name__)
-Handler = Callable[[Request], Awaitable[Response]]
 
 
 class Router:
@@ -296,9 +302,6 @@ class Router:
             },
         }
 
-    async def metrics_page(self, request: Request) -> Response:
-        return Response(exposition(self.registry), media_type=METRICS_CONTENT_TYPE)
-
     async def health(self, request: Request) -> Response:
         replicas = self.replicas.all()
         healthy = sum(r.healthy for r in replicas)
@@ -322,35 +325,32 @@ class Router:
     # ------------------------------------------------------------------ plumbing
 
     def guard(self, handler: Handler, keys: KeyCheck | None, endpoint: str | None) -> Handler:
-        """``handler`` behind ``keys``, with every error answered in the OpenAI shape."""
+        """``handler`` behind ``keys``, with every error answered in the OpenAI shape (a
+        client that left while sending gets 499); errors of ``endpoint`` are counted."""
 
-        async def guarded(request: Request) -> Response:
-            try:
-                if keys is not None and not keys.allows(request):
-                    raise AuthError("Incorrect API key provided.")
-                return await handler(request)
-            except RouterError as exc:
-                error: BaseException = exc
-            except ClientDisconnect:
+        async def checked(request: Request) -> Response:
+            if keys is not None and not keys.allows(request):
+                raise AuthError("Incorrect API key provided.")
+            return await handler(request)
+
+        def answer(error: Exception) -> Response:
+            if isinstance(error, ClientDisconnect):
                 return Response(status_code=CLIENT_CLOSED)
-            except Exception as exc:
-                logger.exception("request failed", extra={"path": request.url.path})
-                error = exc
             status = status_of(error)
             if endpoint is not None:
                 self.metrics.requests.labels(endpoint, str(status), "").inc()
             headers = {"www-authenticate": "Bearer"} if isinstance(error, AuthError) else None
             return JSONResponse(openai_error_body(error), status_code=status, headers=headers)
 
-        return guarded
+        inner = handler if keys is None else checked
+        return answer_errors(inner, answer, expected=(RouterError, ClientDisconnect), log=logger)
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    error = BadRequestError(exc.detail)
-    body = openai_error_body(error)
-    body["error"]["type"] = "not_found_error" if exc.status_code == 404 else body["error"]["type"]
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+def _http_error(detail: str, status: int, headers: Mapping[str, str] | None) -> Response:
+    """Starlette's own 404 / 405 in the router's error shape instead of plain text."""
+    body = openai_error_body(BadRequestError(detail))
+    body["error"]["type"] = "not_found_error" if status == 404 else body["error"]["type"]
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def create_app(
@@ -374,6 +374,7 @@ def create_app(
         settings, index=index, registry=registry, load=load, tokenizers=tokenizers, feed=feed
     )
     api, admin = router.api_keys, router.admin_keys
+    metrics = metrics_endpoint(registry, exposition=exposition)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -393,11 +394,10 @@ def create_app(
         Route("/v1/models", router.guard(router.models, api, None)),
         Route("/index", router.guard(router.index_query, admin, None), methods=["POST"]),
         Route("/replicas", router.guard(router.replica_list, admin, None)),
-        Route("/metrics", router.guard(router.metrics_page, admin, None)),
+        Route("/metrics", router.guard(metrics, admin, None)),
         Route("/health", router.guard(router.health, None, None)),
     ]
-    app = Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
-    )
+    handlers = {HTTPException: http_error_handler(_http_error)}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.router = router
     return app

@@ -24,7 +24,6 @@ from collections import deque
 from typing import Final, Generic, Literal, TypeVar
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -45,7 +44,6 @@ STAGE_BUCKETS: Final = (
 RATIO_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 WARN_EVERY_S: Final = 60.0
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
-METRICS_CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
 
 
 def exposition(registry: CollectorRegistry) -> bytes:

@@ -25,21 +25,25 @@ from starlette.types import Receive, Scope, Send
 
 from router.breaker import GuardedIndex
 from router.config import RouterSettings
-from router.errors import (
-    NoReplicaError,
-    PayloadTooLargeError,
-    UnsupportedMediaTypeError,
-    UpstreamError,
-)
+from router.errors import NoReplicaError, UpstreamError
 from router.estimator import SpeedBook
 from router.load import LoadBoard
 from router.metrics import MismatchDetector, RouterMetrics
 from router.placement import Placement, Placer
 from router.policy import Score
 from router.replicas import Replica
-from router.requests import PATHS, Endpoint, PromptRequest, cached_tokens, parse, upstream_body
+from router.requests import (
+    PATHS,
+    Endpoint,
+    PromptRequest,
+    cached_tokens,
+    parse,
+    read_body,
+    upstream_body,
+)
 from router.sse import UsageFilter, error_event
 from router.upstream import UpstreamClient, UpstreamResponse, failure_kind, passthrough_headers
+from tracker.http import CLIENT_CLOSED, ClientWatch
 from tracker.keys import home_anchors
 
 logger = logging.getLogger(__name__)
@@ -48,80 +52,7 @@ REPLICA_HEADER: Final = "x-kvrouter-replica"
 PREDICTED_HEADER: Final = "x-kvrouter-cached-tokens-predicted"
 FALLBACK_HEADER: Final = "x-kvrouter-fallback"
 DECISION_HEADER: Final = "x-kvrouter-decision-ms"
-CLIENT_CLOSED: Final = 499
 _decode = msgspec.json.Decoder().decode
-
-
-def _json_media_type(content_type: str) -> bool:
-    media = content_type.partition(";")[0].strip().lower()
-    return media == "application/json" or (
-        media.startswith("application/") and media.endswith("+json")
-    )
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The JSON request body, or :class:`PayloadTooLargeError` past ``limit`` bytes.
-
-    :raises UnsupportedMediaTypeError: the body is declared as something else than JSON (no
-        ``Content-Type`` at all is taken as JSON, as vLLM does).
-    """
-    content_type = request.headers.get("content-type")
-    if content_type is not None and not _json_media_type(content_type):
-        raise UnsupportedMediaTypeError(
-            f"Unsupported content type {content_type[:100]!r}: send application/json."
-        )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"the request body exceeds {limit} bytes")
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"the request body exceeds {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-class ClientWatch:
-    """Watches one request's client from dispatch until its answer is sent; if the client
-    leaves first, cancels the request's own task (once).
-
-    One watcher task per request, and the request's work runs in its own task: a task and a
-    watcher around the wait for the first chunk, then Starlette's task group around the
-    relay, cost a lone request 0.35 ms between the engine's first chunk and its relay
-    (docs/benchmarks.md). Where the request awaits, :meth:`absorb` tells this watch's
-    cancellation from any other (a server shutting down), which must go on.
-    """
-
-    def __init__(self, receive: Receive) -> None:
-        task = asyncio.current_task()
-        assert task is not None, "a request runs in a task"
-        self.task = task
-        self.gone = False
-        self._closed = False
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.gone = True
-        if not self._closed:
-            self.task.cancel()
-
-    def absorb(self) -> bool:
-        """After a :class:`asyncio.CancelledError`: whether it was only this watch's (the
-        client left; the request goes on to account for it), else it must propagate."""
-        if not self.gone or self._closed:
-            return False
-        self._closed = True
-        return self.task.uncancel() == 0
-
-    def close(self) -> None:
-        """The answer is sent (or failed): stop watching; idempotent."""
-        self._closed = True
-        if not self._watcher.done():
-            self._watcher.cancel()
 
 
 class _RelayResponse(StreamingResponse):

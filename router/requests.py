@@ -1,4 +1,4 @@
-"""The OpenAI request bodies the router reads: decode, check the fields routing needs, rewrite.
+"""The OpenAI request bodies the router reads: read, decode, check what routing needs, rewrite.
 
 Only the shape is checked here (a 400 names the field at fault); everything else is the
 engine's to judge, so unknown fields and values pass through untouched.
@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import msgspec
+from starlette.requests import Request
 
-from router.errors import BadRequestError
+from router.errors import BadRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
+from tracker.http import body_limit_message, content_type_refusal, read_limited
 
 Endpoint = Literal["chat", "completions", "index"]
 PATHS: Final[dict[Endpoint, str]] = {
@@ -47,6 +49,21 @@ class PromptRequest:
     tools: list[Any] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The JSON request body, or :class:`PayloadTooLargeError` past ``limit`` bytes.
+
+    :raises UnsupportedMediaTypeError: the body is declared as something else than JSON (no
+        ``Content-Type`` at all is taken as JSON, as vLLM does).
+    """
+    refusal = content_type_refusal(request.headers.get("content-type"))
+    if refusal is not None:
+        raise UnsupportedMediaTypeError(refusal)
+    body = await read_limited(request, limit)
+    if body is None:
+        raise PayloadTooLargeError(body_limit_message(limit))
+    return body
 
 
 def _typed(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
