@@ -39,9 +39,10 @@ from bench.proxy_load import ProxySettings, measure, proxy_table
 from router.app import Router
 from router.config import RouterSettings
 from router.load import RedisLoadBoard
-from router.placement import Placement, Placer, TokenizerBook
+from router.placement import Placement, Placer
 from router.requests import PromptRequest, parse
 from router.service import load_board
+from router.tokenize import TokenizerBook
 from tracker.backends import open_index
 from tracker.blocks import Namespace
 from tracker.events import BlockStored, EventBatch, ExternalHash

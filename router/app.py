@@ -24,7 +24,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from router.auth import KeyCheck, load_keys
-from router.baselines import Tools, make_baseline
 from router.breaker import GuardedIndex, LoopLag
 from router.config import RouterSettings
 from router.errors import AuthError, BadRequestError, RouterError, openai_error_body, status_of
@@ -33,11 +32,14 @@ from router.health import ReplicaMonitor
 from router.journal import DecisionJournal
 from router.load import Load, LoadBoard, LocalLoadBoard, RedisLoadBoard
 from router.metrics import MismatchDetector, RouterMetrics, exposition
-from router.placement import Placement, Placer, TokenizerBook
+from router.placement import Placement, Placer
+from router.policies import make_baseline
+from router.policies.baseline import Tools
 from router.proxy import Proxy
 from router.replicas import Replica, ReplicaSet
 from router.requests import parse, read_body
 from router.routefeed import RouteFeed
+from router.tokenize import TokenizerBook
 from router.upstream import UpstreamClient
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError

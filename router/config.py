@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
+from router.policies import POLICIES
 from router.policy import DEFAULT_SPEED, PolicyConfig, SpeedEstimate
 from tracker.config import ServiceSettings
 from tracker.errors import ConfigError
@@ -13,8 +14,6 @@ from tracker.replicas import ReplicaSpec
 from tracker.settings import setting
 
 _POLICY: Final = PolicyConfig()  # the policy's own defaults, for the settings that seed it
-
-POLICIES: Final = ("ttft", "linear", "round-robin", "least-load", "seed", "sglang", "oracle")
 
 
 def model_paths(entries: tuple[str, ...], what: str) -> tuple[str | None, dict[str, str]]:

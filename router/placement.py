@@ -15,75 +15,29 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache
 
-from router.baselines import Baseline, Choice
 from router.breaker import GuardedIndex, SharedView
 from router.churn import ChurnBook
-from router.config import RouterSettings, model_paths
+from router.config import RouterSettings
 from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError
 from router.estimator import SpeedBook
 from router.journal import DecisionJournal
 from router.metrics import RouterMetrics
 from router.occupancy import OccupancyBook
+from router.policies.baseline import Baseline, Choice
 from router.policy import Decision, PolicyConfig, ReplicaState, Score, decide
 from router.replicas import Replica, ReplicaSet
 from router.requests import PromptRequest
 from router.reuse import ReuseBook
-from router.tokenize import PromptTokenizer
+from router.tokenize import TokenizerBook
 from tracker.blocks import ChainCache, Namespace
-from tracker.errors import ConfigError
 from tracker.index import Home, Match, Residency
-from tracker.tokens import TokenizationError, Tokenizer, load_chat_template
+from tracker.tokens import TokenizationError
 
 logger = logging.getLogger(__name__)
 _NOTHING = Residency(0, 0)
-
-
-class TokenizerBook:
-    """Each model's :class:`PromptTokenizer`: its own if configured, else the default."""
-
-    def __init__(
-        self, default: PromptTokenizer, per_model: Mapping[str, PromptTokenizer] | None = None
-    ) -> None:
-        self.default = default
-        self.per_model = dict(per_model or {})
-
-    def for_model(self, model: str) -> PromptTokenizer:
-        return self.per_model.get(model, self.default)
-
-    @classmethod
-    def load(cls, settings: RouterSettings) -> TokenizerBook:
-        """Load every configured tokenizer (blocking: reads files).
-
-        :raises ConfigError: a tokenizer or chat template cannot be loaded.
-        """
-        default_tokenizer, tokenizers = model_paths(settings.tokenizer, "tokenizer")
-        default_template, templates = model_paths(settings.chat_template, "chat-template")
-
-        @cache
-        def make(path: str | None, template: str | None) -> PromptTokenizer:
-            try:
-                if path is not None:
-                    tokenizer = Tokenizer.from_files(path, template)
-                elif template is not None:
-                    tokenizer = Tokenizer.builtin(load_chat_template(template))
-                else:
-                    tokenizer = Tokenizer.builtin()
-            except TokenizationError as exc:
-                raise ConfigError(str(exc)) from None
-            return PromptTokenizer(tokenizer, cache_tokens=settings.tokenizer_cache_tokens)
-
-        default = make(default_tokenizer, default_template)
-        per_model = {
-            model: make(
-                tokenizers.get(model, default_tokenizer), templates.get(model, default_template)
-            )
-            for model in sorted(set(tokenizers) | set(templates))
-        }
-        return cls(default, per_model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,7 +332,7 @@ class Placer:
         candidates: Sequence[Replica],
         dry_run: bool,
     ) -> Placement:
-        """A benchmark baseline's decision (:mod:`router.baselines`); the index is not used."""
+        """A benchmark baseline's decision (:mod:`router.policies`); the index is not used."""
         assert self.baseline is not None
         stages: dict[str, float] = {}
         started = time.perf_counter()

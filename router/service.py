@@ -26,9 +26,9 @@ from starlette.applications import Starlette
 from router.app import Router, create_app
 from router.config import RouterSettings
 from router.load import LoadBoard, LocalLoadBoard, RedisLoadBoard, new_router_id
-from router.placement import TokenizerBook
 from router.routefeed import REFRESH_S as ROUTE_REFRESH_S
 from router.routefeed import RouteFeed
+from router.tokenize import TokenizerBook
 from tracker.backends import open_index
 from tracker.config import TrackerSettings
 from tracker.http import HTTPServer, bind

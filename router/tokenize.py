@@ -12,7 +12,8 @@ and a lookup instead of ~1 us per token. Pieces are cached as tuples of shared i
 copies pointers instead of creating an int object per token. Where the split is not
 provably exact the whole text is encoded as one piece, still cached by its hash.
 ``tests/router/test_tokenize.py`` proves equality with ``Tokenizer.chat_token_ids`` /
-``prompt_token_ids`` by property tests.
+``prompt_token_ids`` by property tests. :class:`TokenizerBook` holds each model's
+:class:`PromptTokenizer`, loaded from the router's settings.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any, Final
 
 import xxhash
 
+from router.config import RouterSettings, model_paths
 from router.segments import plan_segments, split_pieces
-from tracker.tokens import Message, TokenizationError, Tokenizer
+from tracker.errors import ConfigError
+from tracker.tokens import Message, TokenizationError, Tokenizer, load_chat_template
 
 _ENTRY_OVERHEAD: Final = 32  # tokens' worth (8 bytes each) of dict entry, key and tuple header
 _PIECE_SEED: Final = 0  # a piece encoded without special tokens
@@ -314,3 +317,47 @@ class PromptTokenizer:
         if job.cancelled() or job.exception() is not None:
             return  # awaiting requests see the error; nothing to cache
         self._record(dict(zip(keys, job.result(), strict=True)))
+
+
+class TokenizerBook:
+    """Each model's :class:`PromptTokenizer`: its own if configured, else the default."""
+
+    def __init__(
+        self, default: PromptTokenizer, per_model: Mapping[str, PromptTokenizer] | None = None
+    ) -> None:
+        self.default = default
+        self.per_model = dict(per_model or {})
+
+    def for_model(self, model: str) -> PromptTokenizer:
+        return self.per_model.get(model, self.default)
+
+    @classmethod
+    def load(cls, settings: RouterSettings) -> TokenizerBook:
+        """Load every configured tokenizer (blocking: reads files).
+
+        :raises ConfigError: a tokenizer or chat template cannot be loaded.
+        """
+        default_tokenizer, tokenizers = model_paths(settings.tokenizer, "tokenizer")
+        default_template, templates = model_paths(settings.chat_template, "chat-template")
+
+        @cache
+        def make(path: str | None, template: str | None) -> PromptTokenizer:
+            try:
+                if path is not None:
+                    tokenizer = Tokenizer.from_files(path, template)
+                elif template is not None:
+                    tokenizer = Tokenizer.builtin(load_chat_template(template))
+                else:
+                    tokenizer = Tokenizer.builtin()
+            except TokenizationError as exc:
+                raise ConfigError(str(exc)) from None
+            return PromptTokenizer(tokenizer, cache_tokens=settings.tokenizer_cache_tokens)
+
+        default = make(default_tokenizer, default_template)
+        per_model = {
+            model: make(
+                tokenizers.get(model, default_tokenizer), templates.get(model, default_template)
+            )
+            for model in sorted(set(tokenizers) | set(templates))
+        }
+        return cls(default, per_model)

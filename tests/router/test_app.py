@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 from router.app import create_app
 from router.config import RouterSettings
 from router.health import _PARALLEL
-from router.placement import TokenizerBook
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from router.tokenize import TokenizerBook
 from tests.router.harness import (
     SYSTEM,
     base_url,

@@ -2,34 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from router.baselines import (
-    Baseline,
-    Choice,
-    LeastLoad,
-    Oracle,
-    RoundRobin,
-    Seed,
-    SGLang,
-    Tools,
-    make_baseline,
-    request_text,
-    seed_key,
-)
 from router.config import RouterSettings
 from router.load import Load, LocalLoadBoard
+from router.policies import BASELINES, POLICIES, baseline_class, make_baseline
+from router.policies.balance import LeastLoad, RoundRobin
+from router.policies.baseline import Baseline, Choice, Tools, request_text
+from router.policies.oracle import PROBE_PATH, Oracle
+from router.policies.seed import Seed, seed_key
+from router.policies.sglang import SGLang
 from router.replicas import Replica
 from router.requests import PromptRequest, parse
+from router.upstream import UpstreamClient
 from tests.router.harness import SYSTEM, base_url, chat, engines, router
 from tracker.blocks import Namespace
 from tracker.errors import ConfigError
+from tracker.http import HTTPServer, bind
 
 pytestmark = pytest.mark.timeout(30)
 NS = Namespace("sim", 16)
@@ -58,7 +58,10 @@ class Fleet:
         return list(range(64))
 
 
-def make(kind: type[Baseline], fleet: Fleet, upstream: Any = None, **settings: Any) -> Baseline:
+def make(
+    kind: type[Baseline], fleet: Fleet, upstream: UpstreamClient | None = None, **settings: Any
+) -> Baseline:
+    upstream = upstream or UpstreamClient(connect_timeout_s=1.0, max_connections=16)
     tools = Tools(fleet.board, fleet.shared_loads, fleet.token_ids, upstream)
     return kind(RouterSettings(**settings), tools, random.Random(0))
 
@@ -148,39 +151,66 @@ def test_sglang_routes_on_message_text_joined_by_spaces() -> None:
     assert request_text(raw) == "abc"
 
 
-class FakeResponse:
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.status = 200
-        self._body = json.dumps(body).encode()
+class Probed:
+    """Engines that answer ``POST /kvrouter/probe`` with set answers; records what they got."""
 
-    async def read(self, timeout_s: float) -> bytes:
-        return self._body
-
-    async def aclose(self) -> None:
-        return None
-
-
-class FakeUpstream:
-    def __init__(self, answers: dict[str, dict[str, Any]]) -> None:
-        self.answers = answers
+    def __init__(self) -> None:
         self.paths: list[str] = []
+        self.bodies: list[dict[str, Any]] = []
 
-    async def open(self, replica: str, url: str, path: str, *args: Any, **kw: Any) -> Any:
-        self.paths.append(path)
-        return FakeResponse(self.answers[replica])
+    def app(self, answer: dict[str, Any]) -> Starlette:
+        async def probe(request: Request) -> Response:
+            self.paths.append(request.url.path)
+            self.bodies.append(json.loads(await request.body()))
+            return JSONResponse(answer)
+
+        return Starlette(routes=[Route(PROBE_PATH, probe, methods=["POST"])])
+
+
+@contextlib.asynccontextmanager
+async def probed(answers: Sequence[dict[str, Any]]) -> AsyncIterator[tuple[Probed, list[Replica]]]:
+    """A real HTTP server per answer, and replicas ``r0``, ``r1``, ... pointing at them."""
+    seen = Probed()
+    async with contextlib.AsyncExitStack() as stack:
+        replicas = []
+        for i, answer in enumerate(answers):
+            http = HTTPServer(seen.app(answer), bind("127.0.0.1", 0), shutdown_timeout_s=1)
+            await http.start()
+            stack.push_async_callback(http.stop)
+            url = f"http://127.0.0.1:{http.port}"
+            replicas.append(Replica(f"r{i}", url, "sim", 16, True))
+        yield seen, replicas
 
 
 async def test_oracle_picks_the_lowest_expected_ttft_the_engines_report() -> None:
-    answers = {
-        r.id: {"expected_ttft_ms": ttft, "expected_cached_tokens": cached}
-        for r, ttft, cached in zip(REPLICAS, (80.0, 25.0, 60.0), (0, 2048, 0), strict=True)
-    }
-    upstream = FakeUpstream(answers)
-    policy = make(Oracle, Fleet(), upstream)
-    decision, tokens = await policy.choose(Choice(request("s", "q"), "sim", NS, REPLICAS), {})
+    answers = [
+        {"expected_ttft_ms": ttft, "expected_cached_tokens": cached}
+        for ttft, cached in zip((80.0, 25.0, 60.0), (0, 2048, 0), strict=True)
+    ]
+    upstream = UpstreamClient(connect_timeout_s=1.0, max_connections=16)
+    async with probed(answers) as (engines_seen, replicas):
+        try:
+            policy = make(Oracle, Fleet(), upstream)
+            choice = Choice(request("s", "q"), "sim", NS, replicas)
+            decision, tokens = await policy.choose(choice, {})
+        finally:
+            await upstream.aclose()
     assert decision.replica == "r1" and tokens == 64
     assert decision.chosen.matched_tokens == 2048
-    assert upstream.paths == ["/kvrouter/probe"] * 3
+    assert engines_seen.paths == ["/kvrouter/probe"] * 3
+    assert [body["token_ids"] for body in engines_seen.bodies] == [list(range(64))] * 3
+
+
+def test_the_registry_names_kvrouter_first_then_the_baselines() -> None:
+    assert POLICIES == ("ttft", "linear", "round-robin", "least-load", "seed", "sglang", "oracle")
+    assert BASELINES == ("round-robin", "least-load", "seed", "sglang", "oracle")
+    assert baseline_class("ttft") is None and baseline_class("linear") is None
+    for name in BASELINES:
+        kind = baseline_class(name)
+        assert kind is not None and issubclass(kind, Baseline) and kind.name == name
+    assert RouterSettings.from_env({"KVROUTER_ROUTER_POLICY": "oracle"}).policy == "oracle"
+    with pytest.raises(ConfigError):
+        RouterSettings.from_env({"KVROUTER_ROUTER_POLICY": "nearest"})
 
 
 def test_policy_names_and_settings() -> None:
