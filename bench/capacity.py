@@ -37,7 +37,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from bench.workloads import Conversation, Workload, messages, text
-from publishers.latency import LatencyProfile
+from publishers.config import EngineShape
+from publishers.latency import LatencyProfile, load_profile
 from tracker.blocks import Namespace, block_keys
 from tracker.tokens import Tokenizer
 
@@ -65,16 +66,6 @@ class WorkloadShape:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineShape:
-    """The simulated engines' size (per replica) and latency profile."""
-
-    profile: LatencyProfile
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int = 256
-
-
-@dataclass(frozen=True, slots=True)
 class Capacity:
     """Fleet capacity in requests per simulated second, and what bounds it."""
 
@@ -83,6 +74,11 @@ class Capacity:
     blind_rps: float
     blind_limit: str
     step_ms: float
+
+
+def latency_profile(engine: EngineShape) -> LatencyProfile:
+    """The latency profile ``engine`` runs (its step floor replaced when it sets one)."""
+    return load_profile(engine.profile, floor_ms=engine.floor_ms)
 
 
 def _prompt_ids(tokenizer: Tokenizer, workload: Workload) -> list[tuple[list[int], int]]:
@@ -145,6 +141,7 @@ class _Requests:
 
 def _per_replica(
     engine: EngineShape,
+    profile: LatencyProfile,
     *,
     prompt: float,
     output: float,
@@ -152,7 +149,6 @@ def _per_replica(
     classes: tuple[_Requests, ...],
 ) -> tuple[float, str, float]:
     """(requests/s one replica sustains, the binding limit, step ms there)."""
-    profile = engine.profile
     work_ms = floor = blocks = 0.0
     for c in classes:
         context = max(0.0, prompt - c.new)
@@ -189,7 +185,9 @@ def _per_replica(
 
 
 def capacity(shape: WorkloadShape, engine: EngineShape, replicas: int) -> Capacity:
-    """The fleet's ideal and cache-blind capacity for ``shape`` (module docstring)."""
+    """The fleet's ideal and cache-blind capacity for ``shape`` on ``replicas`` engines of
+    ``engine``'s size and latency profile (module docstring)."""
+    profile = latency_profile(engine)
     prompt, output = shape.prompt_tokens, shape.output_tokens
     whole = math.ceil((prompt + output) / engine.block_size)
     cold = _Requests(1.0, prompt, whole)
@@ -200,6 +198,7 @@ def capacity(shape: WorkloadShape, engine: EngineShape, replicas: int) -> Capaci
         )
         rate, limit, at = _per_replica(
             engine,
+            profile,
             prompt=prompt,
             output=output,
             resident=kept * shape.shared_blocks / replicas,
@@ -208,29 +207,25 @@ def capacity(shape: WorkloadShape, engine: EngineShape, replicas: int) -> Capaci
         if rate > ideal:
             ideal, ideal_limit, step = rate, limit, at
     blind, blind_limit, _ = _per_replica(
-        engine, prompt=prompt, output=output, resident=0.0, classes=(cold,)
+        engine, profile, prompt=prompt, output=output, resident=0.0, classes=(cold,)
     )
     return Capacity(ideal * replicas, ideal_limit, blind * replicas, blind_limit, step)
 
 
-def ttft_floors(
-    workload: Workload,
-    engine: EngineShape,
-    tokenizer: Tokenizer,
-    *,
-    max_num_batched_tokens: int = 8192,
-) -> list[float]:
+def ttft_floors(workload: Workload, engine: EngineShape, tokenizer: Tokenizer) -> list[float]:
     """Per request, in arrival order, the least TTFT any router could give it (simulated ms).
 
     The request pays only its unavoidable prefill: the tokens no earlier request of the
     workload had (a block seen before is taken as cached wherever it is needed, and the last
-    token is always computed, as vLLM does), in chunks of ``max_num_batched_tokens``, each
-    chunk one engine step of the latency profile with nothing else in the batch and no
-    queue. The bound no routing policy can beat, and no finite fleet reaches under load.
+    token is always computed, as vLLM does), in chunks of the engine's
+    ``max_num_batched_tokens``, each chunk one engine step of the latency profile with
+    nothing else in the batch and no queue. The bound no routing policy can beat, and no
+    finite fleet reaches under load.
     """
     size = engine.block_size
     namespace = Namespace("floor", size)
-    profile = engine.profile
+    profile = latency_profile(engine)
+    max_num_batched_tokens = engine.max_num_batched_tokens
     ordered = sorted(
         (c.start_s, i, ids) for i, (c, ids) in enumerate(_conversation_prompts(tokenizer, workload))
     )

@@ -11,14 +11,14 @@ process's CPU time per request (getrusage) and the wall time of each round.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import resource
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -26,6 +26,8 @@ import httpx
 
 from bench.stack import port_block
 from router.upstream import KEEPALIVE_EXPIRY_S
+from tracker.cli import parse_argv
+from tracker.settings import Settings, setting
 
 PATH = "/v1/chat/completions"
 BODY = json.dumps(
@@ -98,12 +100,19 @@ async def measure(url: str, requests: int, concurrency: int, rounds: int) -> Rou
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=2_000)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+@dataclass(frozen=True, kw_only=True)
+class ClientCostSettings(Settings):
+    """``python -m bench.client_cost``: how much each client is asked to send."""
+
+    PART = "CLIENT_COST"
+
+    requests: int = setting(2_000, "requests per client and round")
+    concurrency: int = setting(32, "requests in flight")
+    rounds: int = setting(2, "rounds, each client in turn")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_argv(ClientCostSettings, argv, description=__doc__.split("\n")[0])
     port = port_block(3)
     kvrouter = str(Path(sys.executable).with_name("kvrouter"))
     engine = subprocess.Popen(
@@ -126,7 +135,9 @@ def main() -> None:
             if time.monotonic() > deadline or engine.poll() is not None:
                 raise SystemExit("the engine did not start")
             time.sleep(0.2)
-        results = asyncio.run(measure(url + PATH, args.requests, args.concurrency, args.rounds))
+        results = asyncio.run(
+            measure(url + PATH, settings.requests, settings.concurrency, settings.rounds)
+        )
     finally:
         engine.terminate()
         engine.wait(10)

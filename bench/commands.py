@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bench.capacity import EngineShape, capacity, measure_shape
+from bench.capacity import capacity, measure_shape
 from bench.harness import POLICIES, FleetConfig, Harness
 from bench.peers import INSTALL_HINT, missing
 from bench.plan import Plan
@@ -26,7 +26,6 @@ from bench.workloads import (
     shared_prefix,
     with_poisson_arrivals,
 )
-from publishers.latency import load_profile
 from tracker.cli import Command
 from tracker.config import LogSettings
 from tracker.errors import ConfigError
@@ -34,6 +33,10 @@ from tracker.settings import setting
 from tracker.tokens import Tokenizer
 
 DEFAULT_TRACE: Final = Path(__file__).parent / "traces" / "synthetic_mooncake_sample.jsonl"
+FULL: Final = FleetConfig()
+"""The fleet of a run that sets nothing: its defaults are FleetConfig's."""
+QUICK: Final = FleetConfig(replicas=4, num_blocks=512, time_scale=2.0)
+"""The fleet of a ``--quick`` run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,26 +51,33 @@ class BenchSettings(LogSettings):
     )
     quick: bool = setting(
         False,
-        "smoke run (about a minute): 4 small engines (512 blocks), 8 groups x 8 prompts of "
-        "1024 + 64 tokens, 128 out, time scale 2",
+        f"smoke run (about a minute): {QUICK.replicas} small engines ({QUICK.num_blocks} "
+        "blocks), 8 groups x 8 prompts of 1024 + 64 tokens, 128 out, time scale "
+        f"{QUICK.time_scale:g}",
     )
     json: str | None = setting(None, "write the results as JSON to this file")
     raw: bool = setting(False, "with --json: every request's result too (for analysis)")
     plot: str | None = setting(None, "write the TTFT CDF to this PNG (and FILE-bars.png)")
-    replicas: int | None = setting(None, "simulated engines (default 8; quick 4)")
+    replicas: int | None = setting(
+        None, f"simulated engines (default {FULL.replicas}; quick {QUICK.replicas})"
+    )
     routers: int = setting(1, "routers (more than 1: behind haproxy, sharing load via Redis)")
     embedded: bool = setting(False, "one router with its in-process tracker, no Redis")
     local_index: bool = setting(
         False, "each router keeps its own index from the engines' events; Redis shares the load"
     )
     time_scale: float | None = setting(
-        None, "engine time scale: real seconds per simulated second (default 20; quick 2)"
+        None,
+        "engine time scale: real seconds per simulated second "
+        f"(default {FULL.time_scale:g}; quick {QUICK.time_scale:g})",
     )
     load: float = setting(0.75, "arrival rate as a share of the fleet's estimated capacity")
     rate: float | None = setting(None, "arrival rate in requests per simulated second (wins)")
     seed: int = setting(1, "workload and arrival seed")
     num_blocks: int | None = setting(
-        None, "KV-cache blocks per engine, 16 tokens each (default 4096; quick 512)"
+        None,
+        f"KV-cache blocks per engine, {FULL.block_size} tokens each "
+        f"(default {FULL.num_blocks}; quick {QUICK.num_blocks})",
     )
     groups: int | None = setting(None, "gsp/llmd: prefix groups (default 64 / 150; quick 8)")
     prompts_per_group: int | None = setting(
@@ -193,8 +203,8 @@ def build_workload(settings: BenchSettings) -> Workload:
 
 def plan(settings: BenchSettings) -> Plan:
     """Workload, fleet, capacity and arrival rate for ``settings``."""
-    quick = settings.quick
-    num_blocks = settings.num_blocks or (512 if quick else 4096)
+    base = QUICK if settings.quick else FULL
+    num_blocks = settings.num_blocks or base.num_blocks
     vllm, tokenizer = None, Tokenizer.builtin()
     if settings.vllm is not None:
         model = Path(settings.vllm_model)
@@ -202,16 +212,16 @@ def plan(settings: BenchSettings) -> Plan:
             Path(settings.vllm), model, num_gpu_blocks=num_blocks, pin=settings.vllm_pin
         )
         tokenizer = Tokenizer.from_files(model)
-    replicas = settings.replicas or (2 if vllm else 4 if quick else 8)
+    replicas = settings.replicas or (2 if vllm else base.replicas)
     fleet = FleetConfig(
         replicas=replicas,
         routers=settings.routers,
         redis=not settings.embedded,
         local_index=settings.local_index,
         # real engines run in real time, on the block size vLLM's CPU attention takes
-        time_scale=1.0 if vllm else settings.time_scale or (2.0 if quick else 20.0),
+        time_scale=1.0 if vllm else settings.time_scale or base.time_scale,
         num_blocks=num_blocks,
-        block_size=32 if vllm else 16,
+        block_size=32 if vllm else base.block_size,
         router_args=settings.router_args,
         bypass_share=settings.bypass,
         restart_engine_at_s=settings.restart_engine_at_s,
@@ -226,8 +236,7 @@ def plan(settings: BenchSettings) -> Plan:
             f"tokenizer counts them) does not fit vLLM's max-model-len {vllm.max_model_len}: "
             "shorten the prompts"
         )
-    engine = EngineShape(load_profile(fleet.profile), fleet.num_blocks, fleet.block_size)
-    cap = capacity(shape, engine, replicas)
+    cap = capacity(shape, fleet, replicas)
     if workload.timed:
         duration = max((c.start_s for c in workload.conversations), default=0.0)
         rate = workload.requests / duration if duration > 0 else 0.0

@@ -39,18 +39,22 @@ from bench.loadgen import LoadGenerator, Result
 from bench.peers import PEERS, PeerArm, Worker, executable
 from bench.stack import LocalStack, StackConfig, StackError, VllmEngines
 from bench.workloads import Workload
+from publishers.config import EngineShape, shape_fields
 from publishers.latency import LatencyProfile, load_profile
+from router.policies import BASELINES
+from router.policies import POLICIES as ROUTER_POLICIES
 from router.policy import PolicyConfig, SpeedEstimate
 
-POLICY_FLAGS: Final = {
-    "round-robin": "round-robin",
-    "least-load": "least-load",
-    "seed": "seed",
-    "sglang": "sglang",
-    "kvrouter": "ttft",
-    "oracle": "oracle",
+KVROUTER: Final = ROUTER_POLICIES[0]  # kvrouter's own policy, first in the registry (ttft)
+BOUND: Final = "oracle"  # reads the engines' real caches: the upper bound, run last in-router
+POLICY_FLAGS: Final = {name: name for name in BASELINES if name != BOUND} | {
+    "kvrouter": KVROUTER,
+    BOUND: BOUND,
 }
+"""The benchmark's in-router arms, by name: the router's baselines (:mod:`router.policies`)
+and kvrouter's own policy, each with the ``--policy`` the routers run it with."""
 POLICIES: Final = (*POLICY_FLAGS, *PEERS)
+"""Every arm of the benchmark: the in-router ones, then the real peers (:mod:`bench.peers`)."""
 # Real-time router guards sized for a shared benchmark machine, where the router's event loop
 # and Redis are descheduled for tens of ms at a time (docs/benchmarks.md); deployments keep
 # the defaults (10 ms index budget, 1 s connect timeout). Later --router-args win.
@@ -79,19 +83,20 @@ def lone_prefill_speed(
     return SpeedEstimate(max(0.0, lone_ms(64) - slope * 64), slope)
 
 
-@dataclass(frozen=True)
-class FleetConfig:
-    """The fleet every policy runs on."""
+@dataclass(frozen=True, kw_only=True)
+class FleetConfig(EngineShape):
+    """The fleet every policy runs on: ``replicas`` engines of this shape, and the routers.
 
+    The defaults are ``kvrouter bench``'s (:mod:`bench.commands` shows them in its help):
+    engines many times slower than an H200, so that the router's own time, in real
+    milliseconds, weighs little in simulated latencies (docs/benchmarks.md, "Time scale").
+    """
+
+    time_scale: float = 20.0
     replicas: int = 8
     routers: int = 1
     redis: bool = True
     local_index: bool = False
-    time_scale: float = 10.0
-    num_blocks: int = 4096
-    block_size: int = 16
-    max_num_batched_tokens: int = 8192
-    profile: str = "llama-8b"
     router_args: tuple[str, ...] = ()
     replica_args: tuple[str, ...] = ()
     workdir: Path | None = None
@@ -112,7 +117,9 @@ class FleetConfig:
         unscaled they made a full home look a third as slow as it was (load 50 %: TTFT p95
         582 ms against 169 scaled, docs/benchmarks.md)."""
         speed = lone_prefill_speed(
-            load_profile(self.profile), self.max_num_batched_tokens, self.time_scale
+            load_profile(self.profile, floor_ms=self.floor_ms),
+            self.max_num_batched_tokens,
+            self.time_scale,
         )
         policy = PolicyConfig()
         return (
@@ -128,16 +135,12 @@ class FleetConfig:
 
     def stack(self) -> StackConfig:
         return StackConfig(
+            **shape_fields(self),
             replicas=self.replicas,
             routers=self.routers if self.redis else 1,
             redis=self.redis,
             haproxy=self.redis and self.routers > 1,
             local_index=self.local_index,
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            profile=self.profile,
-            time_scale=self.time_scale,
-            max_num_batched_tokens=self.max_num_batched_tokens,
             router_args=(*BENCH_ROUTER_ARGS, *self.prefill_seed_args(), *self.router_args),
             # vllm-router replays only from the 4-frame layout (kvrouter reads both)
             replica_args=("--replay-layout", "topic", *self.replica_args),

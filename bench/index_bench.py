@@ -9,18 +9,20 @@ over 8 replicas, <= 100 bytes of Redis memory per (block, replica).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.procs import RedisServer, sync_redis
 from tracker.backends import open_index
 from tracker.blocks import Namespace, block_keys
+from tracker.cli import parse_argv
 from tracker.events import (
     BlockStored,
     EventBatch,
@@ -31,6 +33,7 @@ from tracker.events import (
 )
 from tracker.index import BlockIndex
 from tracker.redis_index import RedisIndex
+from tracker.settings import Settings, setting
 
 NAMESPACE = Namespace("bench-model", 16)
 
@@ -191,27 +194,45 @@ def key_chain_rate(blocks: int) -> float:
     return blocks * 10 / ((time.perf_counter() - start) * 1e3)
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class IndexBenchSettings(Settings):
+    """``python -m bench.index_bench``: the workload's size and how long each stage runs."""
+
+    PART = "INDEX_BENCH"
+
+    redis: str | None = setting(None, "Redis URL (default: start a private redis-server)")
+    replicas: int = setting(8, "replicas the blocks are stored on")
+    groups: int = setting(400, "shared prefixes")
+    prefix_blocks: int = setting(128, "blocks of each shared prefix")
+    suffixes: int = setting(8, "continuations of each prefix")
+    suffix_blocks: int = setting(16, "blocks of each continuation")
+    iterations: int = setting(2000, "lookups timed per index")
+    concurrency: int = setting(16, "router requests in flight (capacity stage)")
+    seconds: float = setting(5.0, "length of each capacity run")
+    json: str = setting("bench/results/index.json", "where the JSON document goes")
+
+
+async def main_async(settings: IndexBenchSettings) -> dict[str, Any]:
     payloads, pairs = workload(
-        replicas=args.replicas,
-        groups=args.groups,
-        prefix_blocks=args.prefix_blocks,
-        suffixes=args.suffixes,
-        suffix_blocks=args.suffix_blocks,
+        replicas=settings.replicas,
+        groups=settings.groups,
+        prefix_blocks=settings.prefix_blocks,
+        suffixes=settings.suffixes,
+        suffix_blocks=settings.suffix_blocks,
         seed=1,
     )
-    results: dict[str, Any] = {"pairs": pairs, "replicas": args.replicas}
+    results: dict[str, Any] = {"pairs": pairs, "replicas": settings.replicas}
     results["block_keys_per_ms"] = key_chain_rate(4096)
 
     memory = open_index(None)
     seconds = await ingest(memory, payloads)
     results["embedded"] = {
         "ingest_blocks_per_s": pairs / seconds,
-        "lookup": await lookup_latency(memory, 512, 8, args.iterations, 2),
+        "lookup": await lookup_latency(memory, 512, 8, settings.iterations, 2),
     }
 
-    server = None if args.redis else RedisServer().start()
-    url = args.redis or server.url  # type: ignore[union-attr]
+    server = None if settings.redis else RedisServer().start()
+    url = settings.redis or server.url  # type: ignore[union-attr]
     try:
         with sync_redis(url) as client:
             client.flushall()
@@ -222,15 +243,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         ingest_cpu = redis_cpu_s(url) - cpu
         with sync_redis(url) as client:
             after = int(client.info("memory")["used_memory"])
-        lookup = await lookup_latency(index, 512, 8, args.iterations, 2)
+        lookup = await lookup_latency(index, 512, 8, settings.iterations, 2)
         capacity = [
             await request_capacity(
                 index,
                 url,
                 blocks,
                 new_share=share,
-                concurrency=args.concurrency,
-                seconds=args.seconds,
+                concurrency=settings.concurrency,
+                seconds=settings.seconds,
             )
             for blocks in (128, 512, 6400)
             for share in (0.1, 1.0)
@@ -297,26 +318,14 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--redis", help="Redis URL (default: start a private redis-server)")
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--groups", type=int, default=400)
-    parser.add_argument("--prefix-blocks", type=int, default=128)
-    parser.add_argument("--suffixes", type=int, default=8)
-    parser.add_argument("--suffix-blocks", type=int, default=16)
-    parser.add_argument("--iterations", type=int, default=2000)
-    parser.add_argument(
-        "--concurrency", type=int, default=16, help="router requests in flight (capacity stage)"
-    )
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of each capacity run")
-    parser.add_argument("--json", type=Path, default=Path("bench/results/index.json"))
-    args = parser.parse_args()
-    results = asyncio.run(main_async(args))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2))
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_argv(IndexBenchSettings, argv, description=__doc__.split("\n")[0])
+    results = asyncio.run(main_async(settings))
+    path = Path(settings.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
     print(report(results))
-    print(f"\nwritten {args.json}")
+    print(f"\nwritten {settings.json}")
 
 
 if __name__ == "__main__":

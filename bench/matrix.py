@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from bench.capacity import EngineShape, WorkloadShape, capacity, ttft_floors
+from bench.capacity import WorkloadShape, capacity, ttft_floors
 from bench.commands import BenchSettings, plan
 from bench.harness import POLICIES, Harness, PolicyRun
 from bench.peers import INSTALL_HINT, missing
@@ -58,7 +58,7 @@ from bench.report import (
 )
 from bench.report import markdown as policy_table
 from bench.verdicts import Cell, Verdict, best_peers, headline, verdict
-from publishers.latency import load_profile
+from publishers.config import EngineShape
 from tracker.cli import Command
 from tracker.config import LogSettings
 from tracker.errors import ConfigError
@@ -197,14 +197,7 @@ class MatrixSettings(LogSettings):
 
 def bounds(chosen: Any) -> dict[str, Any]:
     """The cell's limits: the ideal hit rate and the analytic TTFT floor's percentiles."""
-    fleet = chosen.fleet
-    engine = EngineShape(load_profile(fleet.profile), fleet.num_blocks, fleet.block_size)
-    floors = ttft_floors(
-        chosen.workload,
-        engine,
-        Tokenizer.builtin(),
-        max_num_batched_tokens=fleet.max_num_batched_tokens,
-    )
+    floors = ttft_floors(chosen.workload, chosen.fleet, Tokenizer.builtin())
     return {
         "ideal_hit_rate": chosen.shape.ideal_hit_rate,
         "ttft_floor_ms": {f"p{q}": percentile(floors, q) for q in (50, 95, 99)},
@@ -357,7 +350,9 @@ def ideal_load(meta: dict[str, Any]) -> float:
     (from the workload shape and fleet stored with the run, so that runs made before a fix
     of the capacity model read alike)."""
     fleet = meta["fleet"]
-    engine = EngineShape(load_profile(fleet["profile"]), fleet["num_blocks"], fleet["block_size"])
+    engine = EngineShape(
+        profile=fleet["profile"], num_blocks=fleet["num_blocks"], block_size=fleet["block_size"]
+    )
     ideal = capacity(WorkloadShape(**meta["shape"]), engine, fleet["replicas"]).ideal_rps
     return float(meta["rate_rps"]) / ideal if ideal else 0.0
 

@@ -22,22 +22,24 @@ compare targets within one run.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
 
-from bench.peers import PEERS, Worker, executable, installed
+from bench.peers import PEERS, Worker, executable, installed, named
 from bench.proxy_load import cpu_seconds
 from bench.stack import LocalStack, StackConfig, kvrouter_bin, port_block
 from bench.workloads import text
+from tracker.cli import parse_argv
+from tracker.settings import Settings, setting
 
 PATH: Final = "/v1/chat/completions"
 DIRECT: Final = "direct"
@@ -185,40 +187,46 @@ def start_peers(stack: LocalStack, names: Sequence[str]) -> dict[str, str]:
     return urls
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__)
-    parser.add_argument("--rounds", type=int, default=300, help="requests per target")
-    parser.add_argument("--groups", type=int, default=10, help="system prompts")
-    parser.add_argument("--output-tokens", type=int, default=64, help="tokens per answer")
-    parser.add_argument("--time-scale", type=float, default=0.001, help="engines' time scale")
-    parser.add_argument("--peers", default="smg,vllm-kv,vllm-cache", help="peer arms ('' for none)")
-    parser.add_argument("--router-args", default="", help="extra kvrouter router flags")
-    parser.add_argument(
-        "--embedded",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a kvrouter arm with its own index (one process, no Redis), as each peer has",
+@dataclass(frozen=True, kw_only=True)
+class OverheadSettings(Settings):
+    """``python -m bench.overhead``: rounds, requests and the arms measured."""
+
+    PART = "OVERHEAD"
+
+    rounds: int = setting(300, "requests per target")
+    groups: int = setting(10, "system prompts")
+    output_tokens: int = setting(64, "tokens per answer")
+    time_scale: float = setting(0.001, "engines' time scale")
+    peers: str = setting("smg,vllm-kv,vllm-cache", "peer arms ('' for none)")
+    router_args: str = setting("", "extra kvrouter router flags")
+    embedded: bool = setting(
+        True, "a kvrouter arm with its own index (one process, no Redis), as each peer has"
     )
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", type=Path, help="write the report here too")
-    args = parser.parse_args(argv)
-    router_args = tuple(args.router_args.split())
-    try:
-        peers = installed(args.peers)
-    except ValueError as exc:
-        parser.error(str(exc))
+    seed: int = setting(1, "request order and question seed")
+    json: str | None = setting(None, "write the report here too")
+
+    def __post_init__(self) -> None:
+        named(self.peers)  # an unknown arm is refused before anything starts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_argv(
+        OverheadSettings, argv, prog="python -m bench.overhead", description=__doc__
+    )
+    router_args = tuple(settings.router_args.split())
+    peers = installed(settings.peers)
     config = StackConfig(
         replicas=2,
         routers=1,
         haproxy=False,
-        time_scale=args.time_scale,
+        time_scale=settings.time_scale,
         router_args=router_args,
         replica_args=("--replay-layout", "topic"),
     )
     with LocalStack(config).start() as stack:
         targets = {"kvrouter": stack.router_urls[0]}
         pids = {"kvrouter": stack.pid("router-0")}
-        if args.embedded:
+        if settings.embedded:
             targets[EMBEDDED] = start_kvrouter(stack, EMBEDDED, workers=None, extra=router_args)
             pids[EMBEDDED] = stack.pid(EMBEDDED)
         targets |= start_peers(stack, peers)
@@ -227,11 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             measure(
                 targets,
                 stack.replica_urls,
-                rounds=args.rounds,
-                groups=args.groups,
-                seed=args.seed,
+                rounds=settings.rounds,
+                groups=settings.groups,
+                seed=settings.seed,
                 pids=pids,
-                output_tokens=args.output_tokens,
+                output_tokens=settings.output_tokens,
             )
         )
     print(
@@ -246,9 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         cpu = f"{row['cpu_ms_per_request']:>12.2f}" if "cpu_ms_per_request" in row else ""
         print(f"{name:<18} {row['ttft_p50_ms']:>9.2f} {row['ttft_p90_ms']:>7.2f} {extra} {cpu}")
-    if args.json:
-        meta: dict[str, Any] = {"rounds": args.rounds, "time_scale": args.time_scale}
-        args.json.write_text(json.dumps({**meta, "targets": report}, indent=2) + "\n")
+    if settings.json:
+        meta: dict[str, Any] = {"rounds": settings.rounds, "time_scale": settings.time_scale}
+        Path(settings.json).write_text(json.dumps({**meta, "targets": report}, indent=2) + "\n")
     return 0
 
 

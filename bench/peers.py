@@ -147,9 +147,8 @@ def missing(arms: Sequence[str]) -> dict[str, str]:
     }
 
 
-def installed(spec: str) -> list[str]:
-    """The peer arms a comma-separated ``spec`` names that are installed; each one that is
-    not is reported on stderr and skipped.
+def named(spec: str) -> list[str]:
+    """The peer arms a comma-separated ``spec`` names (``''``: none).
 
     :raises ValueError: ``spec`` names an arm that does not exist.
     """
@@ -157,6 +156,16 @@ def installed(spec: str) -> list[str]:
     unknown = [name for name in names if name not in PEERS]
     if unknown:
         raise ValueError(f"unknown peers: {', '.join(unknown)} (known: {', '.join(PEERS)})")
+    return names
+
+
+def installed(spec: str) -> list[str]:
+    """The peer arms a comma-separated ``spec`` names that are installed; each one that is
+    not is reported on stderr and skipped.
+
+    :raises ValueError: ``spec`` names an arm that does not exist.
+    """
+    names = named(spec)
     absent = missing(names)
     for name, package in absent.items():
         print(f"{name}: skipped, {package} is not installed ({INSTALL_HINT})", file=sys.stderr)

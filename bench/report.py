@@ -20,12 +20,14 @@ import math
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bench.harness import PolicyRun
 from bench.loadgen import Result
+from tracker.cli import parse_argv
+from tracker.settings import Settings, setting
 
 LATENCY_KEYS = ("p50", "p95", "p99", "mean")
 
@@ -428,14 +430,19 @@ def from_document(doc: dict[str, Any]) -> tuple[dict[str, Summary], list[Goal]]:
     return summaries, [Goal(**g) for g in doc.get("goals", [])]
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReportSettings(Settings):
+    """``python -m bench.report``: the result document to render."""
+
+    PART = "REPORT"
+
+    result: str = setting(MISSING, "a kvrouter bench --json document", positional=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bench.report RESULT.json``: print the run's table and goals as Markdown."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("result", type=Path)
-    args = parser.parse_args(argv)
-    doc = json.loads(args.result.read_text())
+    settings = parse_argv(ReportSettings, argv, description=main.__doc__)
+    doc = json.loads(Path(settings.result).read_text())
     summaries, checked = from_document(doc)
     print(markdown(summaries, checked), end="")
     return 0

@@ -14,7 +14,6 @@ bench/results/router.json and prints two tables.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import json
@@ -45,9 +44,12 @@ from router.service import load_board
 from router.tokenize import TokenizerBook
 from tracker.backends import open_index
 from tracker.blocks import Namespace
+from tracker.cli import parse_argv
+from tracker.errors import ConfigError
 from tracker.events import BlockStored, EventBatch, ExternalHash
 from tracker.index import BlockIndex
 from tracker.redis_index import RedisIndex
+from tracker.settings import Settings, setting
 
 MODEL: Final = "bench-model"
 BLOCK_SIZE: Final = 16
@@ -313,7 +315,12 @@ async def decision_overhead(
                 "embedded", embedded_settings, book, workload, background_blocks
             )
             assert isinstance(redis.index, RedisIndex)
-            other = RedisLoadBoard(redis.index.client, "bench-other-router")
+            other = RedisLoadBoard(
+                redis.index.client,
+                "bench-other-router",
+                lease_ttl_s=settings.lease_ttl_s,
+                renew_interval_s=settings.load_renew_s,
+            )
             await other_routers_load(other)
             rng = random.Random(17)
             sizes_out: dict[str, Any] = {}
@@ -396,16 +403,31 @@ def decision_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer iterations and requests")
-    parser.add_argument("--sizes", default="1000,8000,32000,100000", help="prompt tokens")
-    parser.add_argument("--skip-decision", action="store_true")
-    parser.add_argument("--skip-proxy", action="store_true")
-    parser.add_argument("--workers", type=int, default=1, help="router processes (proxy part)")
-    parser.add_argument("--json", type=Path, default=Path("bench/results/router.json"))
-    args = parser.parse_args()
-    scale = 0.2 if args.quick else 1.0
+@dataclass(frozen=True, kw_only=True)
+class RouterBenchSettings(Settings):
+    """``python -m bench.router_bench``: which parts run, and how long."""
+
+    PART = "ROUTER_BENCH"
+
+    quick: bool = setting(False, "fewer iterations and requests")
+    sizes: str = setting("1000,8000,32000,100000", "prompt tokens")
+    skip_decision: bool = setting(False, "leave out the decision overhead")
+    skip_proxy: bool = setting(False, "leave out the proxy part")
+    workers: int = setting(1, "router processes (proxy part)")
+    json: str = setting("bench/results/router.json", "where the JSON document goes")
+
+    def __post_init__(self) -> None:
+        if not self.size_list:  # int() refuses a size that is not a number
+            raise ConfigError("sizes: give at least one prompt size")
+
+    @property
+    def size_list(self) -> list[int]:
+        return [int(s) for s in self.sizes.split(",") if s]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_argv(RouterBenchSettings, argv, description=__doc__.split("\n")[0])
+    scale = 0.2 if settings.quick else 1.0
 
     def iterations(size: int, case: str) -> int:
         # a never-seen request costs a full tokenization, twice
@@ -414,24 +436,25 @@ def main() -> None:
 
     # The machine is shared: say how busy it was (1-minute load average) around each part.
     results: dict[str, Any] = {"load_average": {"start": os.getloadavg()[0]}}
-    if not args.skip_decision:
-        sizes = [int(s) for s in args.sizes.split(",")]
-        blocks = 8_192 if args.quick else 16_384
+    if not settings.skip_decision:
+        sizes = settings.size_list
+        blocks = 8_192 if settings.quick else 16_384
         results["decision"] = asyncio.run(decision_overhead(sizes, iterations, blocks))
         results["load_average"]["after_decision"] = os.getloadavg()[0]
         print(decision_table(results["decision"]))
-    if not args.skip_proxy:
+    if not settings.skip_proxy:
         proxy = replace(
-            ProxySettings.quick() if args.quick else ProxySettings(), workers=args.workers
+            ProxySettings.quick() if settings.quick else ProxySettings(), workers=settings.workers
         )
         results["proxy"] = measure(proxy)
         results["load_average"]["after_proxy"] = os.getloadavg()[0]
         print()
         print(proxy_table(results["proxy"]))
     print(f"1-minute load average: {results['load_average']}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2))
-    print(f"\nwritten {args.json}")
+    path = Path(settings.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(f"\nwritten {settings.json}")
 
 
 if __name__ == "__main__":

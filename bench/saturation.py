@@ -39,7 +39,6 @@ reported too): compare targets within one run.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -55,10 +54,13 @@ from typing import Any, Final
 import aiohttp
 
 from bench.overhead import EMBEDDED, LOCAL_INDEX, start_kvrouter, start_peers
-from bench.peers import installed
+from bench.peers import installed, named
 from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, one_stream, percentile
 from bench.stack import LocalStack
 from router.upstream import KEEPALIVE_EXPIRY_S
+from tracker.cli import parse_argv
+from tracker.errors import ConfigError
+from tracker.settings import Settings, setting
 
 DIRECT: Final = "direct"
 MAX_OPEN: Final = 2048  # open-loop requests in flight at most (bounded load)
@@ -287,58 +289,73 @@ def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def _numbers(spec: str, kind: type[int] | type[float]) -> tuple[Any, ...]:
+    return tuple(kind(item) for item in spec.split(",") if item)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaturationSettings(Settings):
+    """``python -m bench.saturation``: the levels, their length and the arms measured."""
+
+    PART = "SATURATION"
+
+    concurrency: str = setting(",".join(map(str, Plan.concurrency)), "streams in flight, per level")
+    rates: str = setting(
+        ",".join(map(str, Plan.rates)),
+        "open-loop levels: Poisson arrivals per second (after those)",
+    )
+    seconds: float = setting(Plan.seconds, "per level and target")
+    rounds: int = setting(Plan.rounds, "turns over the targets per level")
+    output_tokens: int = setting(Plan.output_tokens, "tokens per stream")
+    step_ms: float = setting(Plan.step_ms, "engine step (real)")
+    workers: str = setting("1,2", "kvrouter arms with Redis: --workers of each ('' for none)")
+    embedded: bool = setting(
+        True, "a kvrouter arm with its own index (one process, no Redis), as each peer has"
+    )
+    local_index: bool = setting(
+        True, "a kvrouter arm with its own index and the load shared through Redis"
+    )
+    peers: str = setting("smg,vllm-kv,vllm-cache", "peer arms ('' for none)")
+    router_args: str = setting("", "extra kvrouter router flags")
+    json: str | None = setting(None, "write the report here too")
+
+    def __post_init__(self) -> None:
+        named(self.peers)  # an unknown arm is refused before anything starts
+        levels, rates, workers = self.levels, self.rate_levels, self.worker_counts
+        if not (levels or rates) or min(levels, default=1) < 1 or min(workers, default=1) < 1:
+            raise ConfigError("--concurrency and --workers take positive integers")
+        if self.rounds < 1 or self.seconds <= 0:
+            raise ConfigError("--rounds and --seconds must be positive")
+        if rates and not all(0 < r < math.inf for r in rates):
+            raise ConfigError("--rates takes positive numbers")
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        return _numbers(self.concurrency, int)
+
+    @property
+    def rate_levels(self) -> tuple[float, ...]:
+        return _numbers(self.rates, float)
+
+    @property
+    def worker_counts(self) -> tuple[int, ...]:
+        return _numbers(self.workers, int)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.saturation", description=__doc__)
-    parser.add_argument("--concurrency", default="1,8,32,128", help="streams in flight, per level")
-    parser.add_argument(
-        "--rates", default="", help="open-loop levels: Poisson arrivals per second (after those)"
+    settings = parse_argv(
+        SaturationSettings, argv, prog="python -m bench.saturation", description=__doc__
     )
-    parser.add_argument("--seconds", type=float, default=Plan.seconds, help="per level and target")
-    parser.add_argument(
-        "--rounds", type=int, default=Plan.rounds, help="turns over the targets per level"
-    )
-    parser.add_argument("--output-tokens", type=int, default=Plan.output_tokens)
-    parser.add_argument("--step-ms", type=float, default=Plan.step_ms, help="engine step (real)")
-    parser.add_argument(
-        "--workers", default="1,2", help="kvrouter arms with Redis: --workers of each ('' for none)"
-    )
-    parser.add_argument(
-        "--embedded",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a kvrouter arm with its own index (one process, no Redis), as each peer has",
-    )
-    parser.add_argument(
-        "--local-index",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a kvrouter arm with its own index and the load shared through Redis",
-    )
-    parser.add_argument("--peers", default="smg,vllm-kv,vllm-cache", help="peer arms ('' for none)")
-    parser.add_argument("--router-args", default="", help="extra kvrouter router flags")
-    parser.add_argument("--json", type=Path, help="write the report here too")
-    args = parser.parse_args(argv)
-    extra = args.router_args.split()
-    try:
-        peers = installed(args.peers)
-        levels = tuple(int(c) for c in args.concurrency.split(",") if c)
-        rates = tuple(float(r) for r in args.rates.split(",") if r)
-        workers = [int(w) for w in args.workers.split(",") if w]
-    except ValueError as exc:
-        parser.error(str(exc))
-    if not (levels or rates) or min(levels, default=1) < 1 or min(workers, default=1) < 1:
-        parser.error("--concurrency and --workers take positive integers")
-    if args.rounds < 1 or args.seconds <= 0:
-        parser.error("--rounds and --seconds must be positive")
-    if rates and not all(0 < r < math.inf for r in rates):
-        parser.error("--rates takes positive numbers")
+    extra = settings.router_args.split()
+    peers = installed(settings.peers)
+    levels, rates, workers = settings.levels, settings.rate_levels, settings.worker_counts
     plan = Plan(
         concurrency=levels,
         rates=rates,
-        seconds=args.seconds,
-        rounds=args.rounds,
-        output_tokens=args.output_tokens,
-        step_ms=args.step_ms,
+        seconds=settings.seconds,
+        rounds=settings.rounds,
+        output_tokens=settings.output_tokens,
+        step_ms=settings.step_ms,
     )
     # one process per engine; vllm-kv needs the replay's topic layout
     config = fast_engines(
@@ -355,12 +372,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = f"kvrouter-w{count}"
             targets[name] = [start_kvrouter(stack, name, workers=count, extra=extra)]
             pids[name] = stack.pid(name)
-        if args.local_index:
+        if settings.local_index:
             targets[LOCAL_INDEX] = [
                 start_kvrouter(stack, LOCAL_INDEX, workers=1, extra=extra, local_index=True)
             ]
             pids[LOCAL_INDEX] = stack.pid(LOCAL_INDEX)
-        if args.embedded:
+        if settings.embedded:
             targets[EMBEDDED] = [start_kvrouter(stack, EMBEDDED, workers=None, extra=extra)]
             pids[EMBEDDED] = stack.pid(EMBEDDED)
         for name, url in start_peers(stack, peers).items():
@@ -368,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pids[name] = stack.pid(name)
         report = asyncio.run(drive(targets, pids, plan))
     print(render(report))
-    if args.json:
+    if settings.json:
         meta: dict[str, Any] = {
             "plan": {
                 **plan.__dict__,
@@ -378,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cores": os.cpu_count(),
             "saturation": {name: saturation(levels) for name, levels in report.items()},
         }
-        args.json.write_text(json.dumps({**meta, "targets": report}, indent=2) + "\n")
+        Path(settings.json).write_text(json.dumps({**meta, "targets": report}, indent=2) + "\n")
     return 0
 
 

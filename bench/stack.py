@@ -32,6 +32,9 @@ from bench.procs import (
     sentinel_config,
     wait_sentinels_ready,
 )
+from publishers.config import EngineShape
+from tracker.cli import parse_argv
+from tracker.settings import Settings, setting
 
 
 class StackError(RuntimeError):
@@ -148,9 +151,9 @@ class VllmEngines:
         return argv
 
 
-@dataclass(frozen=True)
-class StackConfig:
-    """Shape of the local stack."""
+@dataclass(frozen=True, kw_only=True)
+class StackConfig(EngineShape):
+    """Shape of the local stack; its engines' shape is the :class:`EngineShape` fields."""
 
     replicas: int = 4
     routers: int = 2
@@ -167,11 +170,6 @@ class StackConfig:
     # load through Redis (kvrouter router --local-index)
     local_index: bool = False
     model: str = "default"
-    block_size: int = 16
-    num_blocks: int = 4096
-    profile: str = "llama-8b"
-    time_scale: float = 1.0
-    max_num_batched_tokens: int = 8192
     router_args: tuple[str, ...] = ()
     replica_args: tuple[str, ...] = ()
     tracker_args: tuple[str, ...] = ()
@@ -386,16 +384,7 @@ class LocalStack:
                 f"tcp://127.0.0.1:{self.replay_port + first}",
                 "--model",
                 cfg.model,
-                "--block-size",
-                str(cfg.block_size),
-                "--num-blocks",
-                str(cfg.num_blocks),
-                "--profile",
-                cfg.profile,
-                "--time-scale",
-                str(cfg.time_scale),
-                "--max-num-batched-tokens",
-                str(cfg.max_num_batched_tokens),
+                *cfg.replica_flags(),
                 *flags,
                 *cfg.replica_args,
             ],
@@ -686,35 +675,45 @@ class LocalStack:
         return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class StackSettings(Settings):
+    """``python -m bench.stack``: the local stack's shape, from flags (defaults: StackConfig's)."""
+
+    PART = "STACK"
+
+    replicas: int = setting(StackConfig.replicas, "simulated engines")
+    routers: int = setting(StackConfig.routers, "routers (behind haproxy when more than 1)")
+    redis: bool = setting(
+        StackConfig.redis, "Redis and a tracker (--no-redis: embedded, one router)"
+    )
+    haproxy: bool = setting(
+        StackConfig.haproxy, "haproxy in front (--no-haproxy: clients talk to router-0)"
+    )
+    model: str = setting(StackConfig.model, "served model name")
+    block_size: int = setting(StackConfig.block_size, "KV-cache block size in tokens")
+    num_blocks: int = setting(StackConfig.num_blocks, "KV-cache blocks per engine")
+    time_scale: float = setting(StackConfig.time_scale, "multiply every simulated duration")
+    workdir: str | None = setting(None, "log directory (default: a new temp dir)")
+    timeout_s: float = setting(60.0, "startup budget")
+
+    def config(self) -> StackConfig:
+        return StackConfig(
+            replicas=self.replicas,
+            routers=self.routers if self.redis else 1,
+            redis=self.redis,
+            haproxy=self.haproxy,
+            model=self.model,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            time_scale=self.time_scale,
+            workdir=Path(self.workdir) if self.workdir else None,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bench.stack``: start the local stack, print where it listens, stop on Ctrl-C."""
-    import argparse
-    import json
-
-    defaults = StackConfig()
-    parser = argparse.ArgumentParser(prog="python -m bench.stack", description=__doc__)
-    parser.add_argument("--replicas", type=int, default=defaults.replicas)
-    parser.add_argument("--routers", type=int, default=defaults.routers)
-    parser.add_argument("--no-redis", action="store_true", help="embedded: one router, no tracker")
-    parser.add_argument("--no-haproxy", action="store_true", help="clients talk to router-0")
-    parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
-    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
-    parser.add_argument("--time-scale", type=float, default=defaults.time_scale)
-    parser.add_argument("--workdir", type=Path, help="log directory (default: a new temp dir)")
-    parser.add_argument("--timeout-s", type=float, default=60.0, help="startup budget")
-    args = parser.parse_args(argv)
-    config = StackConfig(
-        replicas=args.replicas,
-        routers=1 if args.no_redis else args.routers,
-        redis=not args.no_redis,
-        haproxy=not args.no_haproxy,
-        model=args.model,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        time_scale=args.time_scale,
-        workdir=args.workdir,
-    )
+    settings = parse_argv(StackSettings, argv, prog="python -m bench.stack", description=__doc__)
+    config = settings.config()
     stack = LocalStack(config)
     stopping = False
 
@@ -724,7 +723,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        stack.start(args.timeout_s)
+        stack.start(settings.timeout_s)
         print(json.dumps(stack.describe(), indent=2), flush=True)
         print("stack ready; Ctrl-C stops it", file=sys.stderr, flush=True)
         while not stopping:

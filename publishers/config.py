@@ -1,19 +1,23 @@
 """Settings of the publishers' commands (``kvrouter replica``, ``kvrouter attach``).
 
-Also the endpoint rules the settings check and the publishers apply when they bind and
-advertise: :func:`tcp_parts`, :data:`WILDCARD_HOSTS`, :func:`check_port_ranges`.
+Also :class:`EngineShape`, the simulated engine's shape declared once, and the endpoint rules
+the settings check and the publishers apply when they bind and advertise: :func:`tcp_parts`,
+:data:`WILDCARD_HOSTS`, :func:`check_port_ranges`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
+from publishers.registration import DOWN_AFTER
 from tracker.config import ServiceSettings
 from tracker.errors import ConfigError
 from tracker.events import WireEra
+from tracker.index import RECORD_TTL_S
 from tracker.settings import setting
 
 _ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
@@ -42,6 +46,47 @@ def check_port_ranges(ranges: dict[str, tuple[int, int]]) -> None:
 def _check_id(value: str, what: str) -> None:
     if not _ID.match(value):
         raise ConfigError(f"{what}: {value!r} is not a valid replica id")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineShape:
+    """A simulated engine's size and speed, declared once.
+
+    :class:`ReplicaSettings` takes its defaults from these fields (its fields of the same
+    names); the engine's own config (:class:`publishers.engine.EngineConfig`) and the
+    benchmark's stack and fleet configs extend this class.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_blocks: KV-cache capacity in blocks.
+        max_num_batched_tokens: scheduler token budget per step.
+        max_num_seqs: most requests running at once.
+        profile: latency profile name (:data:`publishers.latency.PROFILES`).
+        floor_ms: override of the profile's per-step floor (``None``: the profile's).
+        time_scale: multiplies every step's duration (0.01 runs 100x faster than real).
+    """
+
+    block_size: int = 16
+    num_blocks: int = 4096
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    profile: str = "llama-8b"
+    floor_ms: float | None = None
+    time_scale: float = 1.0
+
+    def replica_flags(self) -> tuple[str, ...]:
+        """This shape as ``kvrouter replica`` flags (an unset ``floor_ms`` left out)."""
+        out: list[str] = []
+        for name, value in shape_fields(self).items():
+            if value is not None:
+                out += ["--" + name.replace("_", "-"), str(value)]
+        return tuple(out)
+
+
+def shape_fields(source: object) -> dict[str, Any]:
+    """The :class:`EngineShape` fields of ``source``, by name: a shape, a config that extends
+    one, or settings with fields of the same names (:class:`ReplicaSettings`)."""
+    return {f.name: getattr(source, f.name) for f in dataclasses.fields(EngineShape)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,13 +125,19 @@ class ReplicaSettings(ServiceSettings):
     )
     max_model_len: int | None = setting(None, "longest prompt + output (default: cache size)")
     max_body_bytes: int = setting(32 << 20, "largest accepted request body (413 above)")
-    block_size: int = setting(16, "KV-cache block size in tokens")
-    num_blocks: int = setting(4096, "KV-cache blocks per engine")
-    max_num_batched_tokens: int = setting(8192, "scheduler token budget per step")
-    max_num_seqs: int = setting(256, "most requests running at once")
-    profile: str = setting("llama-8b", "latency profile")
-    floor_ms: float | None = setting(None, "minimum step time in ms (default: the profile's)")
-    time_scale: float = setting(1.0, "multiply every simulated duration (0.01 = 100x faster)")
+    block_size: int = setting(EngineShape.block_size, "KV-cache block size in tokens")
+    num_blocks: int = setting(EngineShape.num_blocks, "KV-cache blocks per engine")
+    max_num_batched_tokens: int = setting(
+        EngineShape.max_num_batched_tokens, "scheduler token budget per step"
+    )
+    max_num_seqs: int = setting(EngineShape.max_num_seqs, "most requests running at once")
+    profile: str = setting(EngineShape.profile, "latency profile")
+    floor_ms: float | None = setting(
+        EngineShape.floor_ms, "minimum step time in ms (default: the profile's)"
+    )
+    time_scale: float = setting(
+        EngineShape.time_scale, "multiply every simulated duration (0.01 = 100x faster)"
+    )
     hash_seed: str = setting("0", "PYTHONHASHSEED the block hashes are seeded with, as vLLM")
     lookahead_tokens: int = setting(
         0,
@@ -108,7 +159,9 @@ class ReplicaSettings(ServiceSettings):
         "redis+cluster://HOST:PORT,...): register every engine and heartbeat",
     )
     heartbeat_s: float = setting(5.0, "seconds between registry heartbeats")
-    ttl_s: float = setting(15.0, "registry entries expire this long after the last heartbeat")
+    ttl_s: float = setting(
+        RECORD_TTL_S, "registry entries expire this long after the last heartbeat"
+    )
     shutdown_timeout_s: float = setting(5.0, "graceful drain budget for in-flight requests")
     faults: bool = setting(
         False, "simulation only: accept POST /kvrouter/faults (event loss, for fault drills)"
@@ -190,9 +243,11 @@ class AttachSettings(ServiceSettings):
     )
     hash_seed: str = setting("0", "the PYTHONHASHSEED vLLM must run with")
     heartbeat_s: float = setting(5.0, "seconds between heartbeats (and health probes)")
-    ttl_s: float = setting(15.0, "registry entries expire this long after the last heartbeat")
+    ttl_s: float = setting(
+        RECORD_TTL_S, "registry entries expire this long after the last heartbeat"
+    )
     health_timeout_s: float = setting(2.0, "timeout of each GET /health")
-    down_after: int = setting(3, "failed health probes in a row before deregistering")
+    down_after: int = setting(DOWN_AFTER, "failed health probes in a row before deregistering")
     print_flags: bool = setting(False, "print the vLLM launch line for these settings and exit")
 
     def __post_init__(self) -> None:

@@ -26,8 +26,9 @@ from typing import Protocol
 import msgspec
 
 from publishers.cache import BlockPool, CachedBlock, KVCacheManager, TokenSequence, none_hash
+from publishers.config import EngineShape
 from publishers.latency import LatencyProfile, load_profile
-from publishers.probe import EngineProbe, EngineShape, QueuedWork, probe
+from publishers.probe import EngineProbe, QueuedWork, probe
 from tracker.events import Event
 
 __all__ = ["CachedBlock", "EngineConfig", "EngineStats", "EventSink", "GenerationRequest"]
@@ -36,19 +37,13 @@ __all__ += ["RequestStream", "SimulatedEngine"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Shape and speed of a simulated engine.
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(EngineShape):
+    """Shape and speed of a simulated engine (:class:`~publishers.config.EngineShape`), and
+    what else it serves with.
 
     Attributes:
         model: served model name (informational).
-        block_size: tokens per KV block.
-        num_blocks: KV-cache capacity in blocks.
-        max_num_batched_tokens: scheduler token budget per step.
-        max_num_seqs: most requests running at once.
-        profile: latency profile name (:data:`publishers.latency.PROFILES`).
-        floor_ms: override of the profile's per-step floor.
-        time_scale: multiplies every step's duration (0.01 runs 100x faster than real).
         hash_seed: the ``PYTHONHASHSEED`` string the block-hash chain is seeded with.
         data_parallel_rank: rank of this engine (informational; the publisher stamps it).
         lookahead_tokens: tokens after each block folded into its hash, as vLLM 0.33 does
@@ -62,13 +57,6 @@ class EngineConfig:
     """
 
     model: str = "default"
-    block_size: int = 16
-    num_blocks: int = 4096
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    profile: str = "llama-8b"
-    floor_ms: float | None = None
-    time_scale: float = 1.0
     hash_seed: str = "0"
     data_parallel_rank: int = 0
     max_model_len: int | None = None
@@ -343,7 +331,7 @@ class SimulatedEngine:
             seq,
             kv=self._kv,
             profile=self.profile,
-            shape=EngineShape(config.block_size, config.num_blocks, config.max_num_batched_tokens),
+            shape=config,
             waiting=[work(s) for s in self._waiting],
             running=[work(s) for s in self._running],
             step_left_ms=left,

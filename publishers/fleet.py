@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import zmq
 from prometheus_client import CollectorRegistry
 
-from publishers.config import WILDCARD_HOSTS, ReplicaSettings, tcp_parts
+from publishers.config import WILDCARD_HOSTS, ReplicaSettings, shape_fields, tcp_parts
 from publishers.engine import EngineConfig, SimulatedEngine
 from publishers.faults import debug_routes
 from publishers.registration import RegistrationService
@@ -111,14 +111,8 @@ class FleetService:
         replay = _offset(s.replay, i) if s.replay else None
         try:
             config = EngineConfig(
+                **shape_fields(s),
                 model=s.model,
-                block_size=s.block_size,
-                num_blocks=s.num_blocks,
-                max_num_batched_tokens=s.max_num_batched_tokens,
-                max_num_seqs=s.max_num_seqs,
-                profile=s.profile,
-                floor_ms=s.floor_ms,
-                time_scale=s.time_scale,
                 hash_seed=s.hash_seed,
                 max_model_len=s.max_model_len,
                 lookahead_tokens=s.lookahead_tokens,

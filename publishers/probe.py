@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import msgspec
 
 from publishers.cache import KVCacheManager, TokenSequence
+from publishers.config import EngineShape
 from publishers.latency import LatencyProfile
 
 _MAX_STEPS = 10_000  # bounds the step loop for absurd queues
@@ -72,15 +73,6 @@ class QueuedWork:
     @property
     def prefilling(self) -> bool:
         return self.computed < self.prompt_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class EngineShape:
-    """The engine limits the estimate needs."""
-
-    block_size: int
-    num_blocks: int
-    max_num_batched_tokens: int
 
 
 def _reuse(kv: KVCacheManager, seq: TokenSequence, ahead: set[bytes]) -> tuple[int, int]:

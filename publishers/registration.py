@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Final
 
 from tracker.errors import IndexUnavailableError
 from tracker.index import BlockIndex, ReplicaRecord
@@ -18,6 +19,10 @@ from tracker.lifecycle import cancel_and_wait
 logger = logging.getLogger(__name__)
 
 HealthCheck = Callable[[], Awaitable[bool]]
+
+DOWN_AFTER: Final = 3
+"""Failed health probes in a row that deregister the records, unless told otherwise
+(``kvrouter attach --down-after``)."""
 
 
 class RegistrationService:
@@ -37,9 +42,9 @@ class RegistrationService:
         index: BlockIndex,
         records: Sequence[ReplicaRecord],
         *,
-        interval_s: float = 5.0,
+        interval_s: float,
         alive: HealthCheck | None = None,
-        down_after: int = 3,
+        down_after: int = DOWN_AFTER,
         on_recover: Callable[[Sequence[ReplicaRecord]], Sequence[ReplicaRecord]] | None = None,
         stop_timeout_s: float = 2.0,
     ) -> None:

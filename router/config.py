@@ -10,6 +10,7 @@ from router.policies import POLICIES
 from router.policy import DEFAULT_SPEED, PolicyConfig, SpeedEstimate
 from tracker.config import ServiceSettings
 from tracker.errors import ConfigError
+from tracker.index import LOAD_TTL_S
 from tracker.replicas import ReplicaSpec
 from tracker.settings import setting
 
@@ -83,8 +84,10 @@ class RouterSettings(ServiceSettings):
         "least-load, seed, sglang, oracle (simulated engines only)",
         choices=POLICIES,
     )
-    hit_weight: float = setting(1.0, "linear policy: weight of a cached block")
-    load_weight: float = setting(1.0, "linear policy: weight of a request in flight")
+    hit_weight: float = setting(_POLICY.hit_weight, "linear policy: weight of a cached block")
+    load_weight: float = setting(
+        _POLICY.load_weight, "linear policy: weight of a request in flight"
+    )
     seed_user_chars: int = setting(
         0, "seed policy: characters of the first user message hashed with the system prompt"
     )
@@ -98,26 +101,30 @@ class RouterSettings(ServiceSettings):
         1.5, "sglang policy: ... and max in flight above this multiple of min"
     )
     offload_hit_cost: float = setting(
-        0.3, "cost of a hit in the engine host's CPU memory relative to recompute"
+        _POLICY.offload_hit_cost,
+        "cost of a hit in the engine host's CPU memory relative to recompute",
     )
     storage_hit_cost: float = setting(
-        0.75, "cost of a hit in the engine host's storage tier relative to recompute"
+        _POLICY.storage_hit_cost,
+        "cost of a hit in the engine host's storage tier relative to recompute",
     )
     remote_hit_cost: float = setting(
-        0.9, "cost of a hit in a remote (network) store relative to recompute"
+        _POLICY.remote_hit_cost, "cost of a hit in a remote (network) store relative to recompute"
     )
     default_output_tokens: int = setting(
         256, "KV memory a request without max_tokens is expected to grow by, in tokens"
     )
-    temperature: float = setting(0.0, "softmax temperature in ms (0: best score, random ties)")
-    tie_epsilon_ms: float = setting(1.0, "expected TTFTs this close are a tie")
+    temperature: float = setting(
+        _POLICY.temperature, "softmax temperature in ms (0: best score, random ties)"
+    )
+    tie_epsilon_ms: float = setting(_POLICY.tie_epsilon_ms, "expected TTFTs this close are a tie")
     tie_ratio: float = setting(
-        0.05,
+        _POLICY.tie_ratio,
         "expected costs within this share of the best one are a near-tie (the estimate's "
         "error), given to the prompt's home, then the replica holding most of the prompt",
     )
     miss_weight: float = setting(
-        3.0,
+        _POLICY.miss_weight,
         "ttft policy: a miss that evicts, or leaves a prefix's home, costs (weight - 1) "
         "times the prefill it causes again, times 1 + the fleet's mean requests in flight "
         "(1: no such cost)",
@@ -186,7 +193,7 @@ class RouterSettings(ServiceSettings):
     metrics_interval_s: float = setting(1.0, "time between scrapes of engine /metrics (0: off)")
     metrics_stale_s: float = setting(5.0, "engine metrics older than this are ignored")
     registry_interval_s: float = setting(1.0, "time between registry refreshes")
-    lease_ttl_s: float = setting(5.0, "shared load of a dead router expires after this long")
+    lease_ttl_s: float = setting(LOAD_TTL_S, "shared load of a dead router expires after this long")
     load_renew_s: float = setting(1.0, "how often this router renews its shared load")
     load_refresh_ms: float = setting(
         10.0,

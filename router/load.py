@@ -275,8 +275,8 @@ class RedisLoadBoard(_Totals):
         client: redis.Redis,
         router_id: str,
         *,
-        lease_ttl_s: float = 5.0,
-        renew_interval_s: float = 1.0,
+        lease_ttl_s: float,
+        renew_interval_s: float,
         push_delay_s: float = PUSH_DELAY_S,
         view_refresh_s: float = 0.0,
     ) -> None:

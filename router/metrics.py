@@ -218,7 +218,7 @@ class MismatchDetector:
     model is flagged (gauge 1, warning every minute); the flag clears below half of that.
     """
 
-    def __init__(self, metrics: RouterMetrics, *, window: int = 50, ratio: float = 0.9) -> None:
+    def __init__(self, metrics: RouterMetrics, *, window: int, ratio: float) -> None:
         self.metrics = metrics
         self.window = window
         self.ratio = ratio

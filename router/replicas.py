@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tracker.blocks import Namespace
-from tracker.index import ReplicaRecord
+from tracker.index import RECORD_TTL_S, ReplicaRecord
 from tracker.replicas import ReplicaSpec
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Replica:
     last_error: str = ""
     changed_at: float = field(default_factory=time.monotonic)
     engine: EngineLoad | None = None
-    ttl_s: float = 15.0
+    ttl_s: float = RECORD_TTL_S
     missing_since: float | None = None
     cache_blocks: int | None = None  # KV-cache size, from the engine's cache_config_info
     adapters: frozenset[str] = frozenset()  # LoRA adapters it serves, from its /v1/models
@@ -77,8 +77,8 @@ class ReplicaSet:
         *,
         model: str,
         block_size: int,
-        unhealthy_after: int = 3,
-        engine_stale_s: float = 5.0,
+        unhealthy_after: int,
+        engine_stale_s: float,
     ) -> None:
         self.unhealthy_after = unhealthy_after
         self.engine_stale_s = engine_stale_s

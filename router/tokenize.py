@@ -111,7 +111,7 @@ class PromptTokenizer:
         self,
         tokenizer: Tokenizer,
         *,
-        cache_tokens: int = 4_000_000,
+        cache_tokens: int = RouterSettings.tokenizer_cache_tokens,
         executor: Executor | None = None,
         inline_chars: int = INLINE_CHARS,
     ) -> None:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.commands import BenchSettings, plan, run
+from bench.commands import QUICK, BenchSettings, plan, run
 from bench.demo import DemoSettings
 from bench.demo import run as demo
+from bench.harness import FleetConfig
 from bench.matrix import MatrixSettings, full_tables, run_cell
 from bench.stack import VllmEngines
 from bench.verdicts import Cell, verdict
@@ -141,6 +142,20 @@ def test_a_real_vllm_plan_describes_its_engines_in_json(tmp_path: Path) -> None:
         "model": str(tmp_path / "tiny"),
     }
     assert "vllm" not in meta["fleet"] and json.loads(json.dumps(chosen.meta()))["vllm"] is None
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_a_fleet_left_unset_is_the_one_the_help_describes(quick: bool) -> None:
+    fleet = plan(BenchSettings(workload="nosharing", requests=8, quick=quick)).fleet
+    expected = QUICK if quick else FleetConfig()
+    assert (fleet.replicas, fleet.num_blocks, fleet.time_scale) == (
+        expected.replicas, expected.num_blocks, expected.time_scale
+    )  # fmt: skip
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(BenchSettings)}
+    said, end = ("quick", ")") if quick else ("default", ";")  # "(default 8; quick 4)"
+    assert f"{said} {fleet.time_scale:g}{end}" in helps["time_scale"]
+    assert f"{said} {fleet.replicas}{end}" in helps["replicas"]
+    assert f"{said} {fleet.num_blocks}{end}" in helps["num_blocks"]
 
 
 def test_pinned_vllm_engines_each_get_a_core_of_their_own(tmp_path: Path) -> None:

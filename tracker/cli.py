@@ -12,11 +12,13 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, TypeVar
 
 from tracker import logs
 from tracker.errors import ConfigError
 from tracker.settings import Settings
+
+S = TypeVar("S", bound=Settings)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,24 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     for command in commands.values():
         command.settings.add_arguments(sub.add_parser(command.name, help=command.help))
     return parser
+
+
+def parse_argv(
+    settings: type[S],
+    argv: Sequence[str] | None,
+    *,
+    prog: str | None = None,
+    description: str | None = None,
+) -> S:
+    """A script's settings from its command line (flags generated from the fields) and the
+    environment; a bad flag or value exits with the usage error, as ``kvrouter`` does."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    settings.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return settings.from_args(args, os.environ)
+    except ConfigError as exc:
+        parser.error(str(exc))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,6 +22,14 @@ from tracker.ledger import LedgerChanges, ReplicaLedger
 
 _PREDICTION_SWEEP = 10_000
 
+RECORD_TTL_S: Final = 15.0
+"""How long a registry entry outlives its last heartbeat unless its publisher says otherwise
+(``kvrouter replica --ttl-s``, ``kvrouter attach --ttl-s``)."""
+
+LOAD_TTL_S: Final = 5.0
+"""How long a router's shared load, and its presence, outlive their last write unless told
+otherwise (``kvrouter router --lease-ttl-s``, :mod:`router.load`)."""
+
 
 class Match(msgspec.Struct, frozen=True):
     """A replica's longest contiguous run of held blocks from the start of a chain.
@@ -115,7 +123,7 @@ class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):
     events: str | None = None
     replay: str | None = None
     instance: str = ""
-    ttl_s: float = 15.0
+    ttl_s: float = RECORD_TTL_S
     last_seen: float = 0.0
 
     @property
@@ -154,7 +162,7 @@ class BlockIndex(Protocol):
         keys: Sequence[int],
         *,
         load_except: str | None = None,
-        load_ttl_s: float = 5.0,
+        load_ttl_s: float = LOAD_TTL_S,
     ) -> Survey:
         """:meth:`lookup` and every replica's :class:`Residency`, in one round trip; with
         ``load_except`` (a router's id), the other routers' shared load too where the index
@@ -403,7 +411,7 @@ class MemoryIndex:
         keys: Sequence[int],
         *,
         load_except: str | None = None,
-        load_ttl_s: float = 5.0,
+        load_ttl_s: float = LOAD_TTL_S,
     ) -> Survey:
         return self._survey(namespace, keys, await self.lookup(namespace, keys))
 

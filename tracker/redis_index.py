@@ -31,7 +31,7 @@ from tracker import lua
 from tracker.blocks import Namespace
 from tracker.errors import FencedError, IndexUnavailableError
 from tracker.events import EventBatch
-from tracker.index import ApplyResult, Home, Match, ReplicaRecord, Residency, Survey
+from tracker.index import LOAD_TTL_S, ApplyResult, Home, Match, ReplicaRecord, Residency, Survey
 from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
 from tracker.redis_client import RedisConnection, open_redis, redis_call
 
@@ -520,7 +520,7 @@ class RedisIndex:
         keys: Sequence[int],
         *,
         load_except: str | None = None,
-        load_ttl_s: float = 5.0,
+        load_ttl_s: float = LOAD_TTL_S,
     ) -> Survey:
         nk = self.keys_for(namespace)
         # an empty chain still walks nothing and answers the residency

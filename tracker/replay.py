@@ -63,7 +63,7 @@ class ReplayClient:
         metrics: TrackerMetrics,
         *,
         timeout_s: float,
-        concurrency: int = 8,
+        concurrency: int,
     ) -> None:
         self._context = context
         self._metrics = metrics

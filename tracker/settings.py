@@ -32,9 +32,15 @@ def setting(
     short: str | None = None,
     choices: Sequence[str] | None = None,
     secret: bool = False,
+    positional: bool = False,
 ) -> Any:
-    """Declare a settings field with its help text (and optional explicit flag name)."""
+    """Declare a settings field with its help text (and optional explicit flag name).
+
+    A ``positional`` field is a positional argument instead of a flag (a script's input
+    file); it is required when ``default`` is ``dataclasses.MISSING``.
+    """
     metadata = {"help": help, "flag": flag, "short": short, "choices": choices, "secret": secret}
+    metadata["positional"] = positional
     if isinstance(default, tuple | list):
         value = tuple(default)
         return dataclasses.field(default_factory=lambda: value, metadata=metadata)
@@ -93,7 +99,11 @@ class Settings:
             names = [flag] + ([f.metadata["short"]] if f.metadata.get("short") else [])
             env = cls.env_name(f.name)
             help_text = f"{f.metadata.get('help', '')} [env {env}]"
-            if kind is bool and not repeat:
+            if f.metadata.get("positional"):  # required: argparse's own, never from env
+                required = f.default is f.default_factory is dataclasses.MISSING
+                shown = f.metadata.get("help") if required else help_text
+                parser.add_argument(f.name, nargs=None if required else "?", help=shown)
+            elif kind is bool and not repeat:
                 parser.add_argument(
                     *names,
                     dest=f.name,

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from bench.harness import FleetConfig, lone_prefill_speed
+from bench.harness import POLICIES, POLICY_FLAGS, FleetConfig, lone_prefill_speed
+from bench.peers import PEERS
+from publishers.config import EngineShape, ReplicaSettings, shape_fields
 from publishers.latency import load_profile
+from router.policies import BASELINES
+from router.policies import POLICIES as ROUTER_POLICIES
 from router.policy import DEFAULT_SPEED, PolicyConfig
 
 
@@ -31,3 +37,22 @@ def test_routers_are_seeded_for_the_time_scale_and_later_flags_win() -> None:
     decode = float(flags[flags.index("--decode-ms-per-request") + 1])
     assert decode == pytest.approx(3 * policy.decode_ms_per_request)
     assert flags[-2:] == ["--prefill-ms-per-token", "1"]  # the user's, last: argparse keeps it
+
+
+def test_the_arms_are_the_router_registry_and_the_peers() -> None:
+    assert set(POLICY_FLAGS.values()) <= set(ROUTER_POLICIES)
+    assert set(BASELINES) <= set(POLICY_FLAGS)  # every baseline of the router is an arm
+    assert POLICY_FLAGS["kvrouter"] == "ttft"
+    in_router = ("round-robin", "least-load", "seed", "sglang", "kvrouter", "oracle")
+    assert (*in_router, *PEERS) == POLICIES
+
+
+def test_the_engine_shape_reaches_the_replicas_as_their_own_flags() -> None:
+    stack = FleetConfig(num_blocks=512, time_scale=3.0, floor_ms=2.5).stack()
+    parser = argparse.ArgumentParser()
+    ReplicaSettings.add_arguments(parser)
+    replica = ReplicaSettings.from_args(parser.parse_args(list(stack.replica_flags())), {})
+    assert shape_fields(replica) == shape_fields(stack)
+    assert stack.num_blocks == 512 and stack.floor_ms == 2.5
+    # one declaration of the defaults: the replica's settings take the shape's
+    assert shape_fields(ReplicaSettings()) == shape_fields(EngineShape())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.capacity import EngineShape, WorkloadShape, capacity, measure_shape
+from bench.capacity import WorkloadShape, capacity, measure_shape
 from bench.workloads import (
     TRACE_BLOCK_TOKENS,
     Workload,
@@ -22,7 +22,7 @@ from bench.workloads import (
     trace_prompt,
     with_poisson_arrivals,
 )
-from publishers.latency import load_profile
+from publishers.config import EngineShape
 from tracker.tokens import Tokenizer
 
 TOKENIZER = Tokenizer.builtin()
@@ -147,7 +147,7 @@ def test_poisson_arrivals_average_the_rate() -> None:
 
 
 def test_capacity_sharing_raises_what_the_fleet_can_serve() -> None:
-    engine = EngineShape(load_profile("llama-8b"), 4096, 16)
+    engine = EngineShape(profile="llama-8b", num_blocks=4096, block_size=16)
     workload = shared_prefix(
         groups=64, prompts_per_group=16, system_tokens=2048, question_tokens=128,
         output_tokens=256, seed=1,
@@ -165,7 +165,7 @@ def test_capacity_counts_the_cache_that_prefixes_leave_to_running_requests() -> 
     # 4 engines x 1,024 blocks; the 10 prefixes of the matrix fill 3,010 blocks, 73 % of the
     # fleet's cache, so the requests that run share the remaining 27 % (until 2026-12 the
     # ideal counted at most half of each cache as prefixes, and overstated this fleet 2.1x)
-    engine = EngineShape(load_profile("llama-8b"), 1024, 16)
+    engine = EngineShape(profile="llama-8b", num_blocks=1024, block_size=16)
 
     def shape(shared_blocks: int) -> WorkloadShape:
         return WorkloadShape(320, 4979.0, 64.0, 313.5, shared_blocks, 15.0)
@@ -175,6 +175,6 @@ def test_capacity_counts_the_cache_that_prefixes_leave_to_running_requests() -> 
     # 460 vs 220 free blocks per engine: the fleet runs about half as many requests at once
     assert 1.8 < roomy.ideal_rps / full.ideal_rps < 2.4
     # prefixes that do not fit at all: the ideal keeps fewer, never worse than keeping none
-    tiny = EngineShape(load_profile("llama-8b"), 400, 16)
+    tiny = EngineShape(profile="llama-8b", num_blocks=400, block_size=16)
     starved = capacity(shape(3010), tiny, 4)
     assert starved.ideal_rps >= starved.blind_rps > 0

@@ -350,9 +350,9 @@ async def test_the_view_falls_back_to_own_load_when_its_reads_stop(
 async def test_bad_arguments() -> None:
     async with redis.Redis() as client:
         with pytest.raises(ValueError):
-            RedisLoadBoard(client, "")
+            RedisLoadBoard(client, "", lease_ttl_s=5.0, renew_interval_s=1.0)
         with pytest.raises(ValueError):
-            RedisLoadBoard(client, "a\x00b")
+            RedisLoadBoard(client, "a\x00b", lease_ttl_s=5.0, renew_interval_s=1.0)
         with pytest.raises(ValueError):
             RedisLoadBoard(client, "a", lease_ttl_s=1.0, renew_interval_s=1.0)
 

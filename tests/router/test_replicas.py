@@ -25,7 +25,7 @@ def record(rid: str, **kw: object) -> ReplicaRecord:
 
 
 def test_registry_view_with_grace_for_missing_entries() -> None:
-    replicas = ReplicaSet([STATIC], model="m", block_size=32)
+    replicas = ReplicaSet([STATIC], model="m", block_size=32, unhealthy_after=3, engine_stale_s=5.0)
     assert replicas.get("s0").block_size == 32  # type: ignore[union-attr]
     records = [
         record("s0", block_size=16, instance="a"),
@@ -46,7 +46,7 @@ def test_registry_view_with_grace_for_missing_entries() -> None:
 
 
 def test_health_state_machine() -> None:
-    replicas = ReplicaSet([STATIC], model="m", block_size=16, unhealthy_after=3)
+    replicas = ReplicaSet([STATIC], model="m", block_size=16, unhealthy_after=3, engine_stale_s=5.0)
     assert not replicas.failed("s0", "timeout")
     assert not replicas.failed("s0", "timeout")
     assert replicas.failed("s0", "timeout")
@@ -59,7 +59,7 @@ def test_health_state_machine() -> None:
 
 
 def test_engine_metrics_expire() -> None:
-    replicas = ReplicaSet([STATIC], model="m", block_size=16, engine_stale_s=5.0)
+    replicas = ReplicaSet([STATIC], model="m", block_size=16, unhealthy_after=3, engine_stale_s=5.0)
     replica = replicas.get("s0")
     assert replica is not None
     replica.engine = EngineLoad(1, 2, 0.5, at=100.0)

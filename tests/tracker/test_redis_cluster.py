@@ -85,7 +85,10 @@ async def test_partitions_of_different_models_live_on_different_masters(
 
 async def test_router_load_and_the_tracker_election_work_on_a_cluster(cluster_url: str) -> None:
     index = RedisIndex.from_url(cluster_url)
-    boards = [RedisLoadBoard(index.client, new_router_id()) for _ in range(2)]
+    boards = [
+        RedisLoadBoard(index.client, new_router_id(), lease_ttl_s=5.0, renew_interval_s=1.0)
+        for _ in range(2)
+    ]
     try:
         for board in boards:
             await board.start()
