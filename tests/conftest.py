@@ -1,4 +1,4 @@
-"""Shared fixtures: a real redis-server per session (flushed per test), index factories."""
+"""Shared fixtures: a real redis-server per session (flushed per test), an index, a ZMQ context."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import zmq.asyncio
 
 from tests.procs import RedisServer
 
@@ -38,3 +39,11 @@ async def redis_index(redis_url: str) -> AsyncIterator[object]:
     index = RedisIndex.from_url(redis_url)
     yield index
     await index.close()
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
+    """A ZeroMQ context for the test's sockets, destroyed (linger 0) after it."""
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,12 +13,10 @@ import zmq
 import zmq.asyncio
 
 from publishers.config import ReplicaSettings
-from tests.procs import free_ports
+from tests.procs import KVROUTER, free_ports
 from tracker.errors import ConfigError
 from tracker.events import BlockStored, decode_batch, decode_message
 from tracker.redis_index import RedisIndex
-
-KVROUTER = Path(sys.executable).parent / "kvrouter"
 
 
 async def wait_healthy(url: str, proc: asyncio.subprocess.Process, within: float = 20) -> None:
@@ -38,7 +34,9 @@ async def wait_healthy(url: str, proc: asyncio.subprocess.Process, within: float
 
 
 @pytest.mark.redis
-async def test_two_replicas_register_serve_publish_and_stop(redis_url: str) -> None:
+async def test_two_replicas_register_serve_publish_and_stop(
+    redis_url: str, zctx: zmq.asyncio.Context
+) -> None:
     http, events, replay = free_ports(2), free_ports(2), free_ports(2)
     args = [
         "replica",
@@ -56,8 +54,7 @@ async def test_two_replicas_register_serve_publish_and_stop(redis_url: str) -> N
         str(KVROUTER), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     index = RedisIndex.from_url(redis_url)
-    ctx = zmq.asyncio.Context()
-    sub = ctx.socket(zmq.SUB)
+    sub = zctx.socket(zmq.SUB)
     try:
         for i in range(2):
             await wait_healthy(f"http://127.0.0.1:{http + i}", proc)
@@ -92,7 +89,6 @@ async def test_two_replicas_register_serve_publish_and_stop(redis_url: str) -> N
             proc.kill()
             await proc.wait()
         sub.close(linger=0)
-        ctx.term()
         await index.close()
 
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,13 +30,11 @@ from publishers.vllm import (
     vllm_flags,
 )
 from publishers.zmq import endpoint_for_rank
-from tests.procs import RedisServer
+from tests.procs import KVROUTER, RedisServer
 from tracker.errors import ConfigError
 from tracker.http import HTTPServer, bind
 from tracker.index import ReplicaRecord
 from tracker.redis_index import RedisIndex
-
-KVROUTER = Path(sys.executable).parent / "kvrouter"
 
 
 def settings(**overrides: Any) -> AttachSettings:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -22,9 +20,8 @@ from publishers.engine import SimulatedEngine
 from publishers.fleet import FleetService
 from router.config import RouterSettings
 from router.service import RouterService
-from tests.procs import free_ports
+from tests.procs import KVROUTER, free_ports, kvrouter_env
 
-KVROUTER = Path(sys.executable).parent / "kvrouter"
 SYSTEM = "You are a careful assistant who answers in full sentences and cites sources. " * 16
 
 
@@ -154,10 +151,6 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
-
-
 class Process:
     """A ``kvrouter`` subcommand as a real process, logging to a file."""
 
@@ -166,7 +159,7 @@ class Process:
         self.log_path = log
         self._log = log.open("ab")
         self.proc = subprocess.Popen(
-            [str(KVROUTER), *args], stdout=self._log, stderr=subprocess.STDOUT, env=_env()
+            [str(KVROUTER), *args], stdout=self._log, stderr=subprocess.STDOUT, env=kvrouter_env()
         )
 
     def log(self) -> str:

@@ -26,13 +26,13 @@ from router.policies.sglang import SGLang
 from router.replicas import Replica
 from router.requests import PromptRequest, parse
 from router.upstream import UpstreamClient
+from tests.factories import SIM
 from tests.router.harness import SYSTEM, base_url, chat, engines, router
 from tracker.blocks import Namespace
 from tracker.errors import ConfigError
 from tracker.http import HTTPServer, bind
 
 pytestmark = pytest.mark.timeout(30)
-NS = Namespace("sim", 16)
 REPLICAS = [Replica(f"r{i}", f"http://127.0.0.1:{9000 + i}", "sim", 16, True) for i in range(3)]
 
 
@@ -49,7 +49,7 @@ class Fleet:
 
     def busy(self, replica: str, n: int) -> None:
         for _ in range(n):
-            self.board.acquire(NS, replica, 0)
+            self.board.acquire(SIM, replica, 0)
 
     async def shared_loads(self, namespace: Namespace) -> Mapping[str, Load]:
         return self.shared
@@ -67,7 +67,7 @@ def make(
 
 
 async def pick(policy: Baseline, req: PromptRequest, replicas: list[Replica] = REPLICAS) -> str:
-    decision, _ = await policy.choose(Choice(req, "sim", NS, replicas), {})
+    decision, _ = await policy.choose(Choice(req, "sim", SIM, replicas), {})
     return decision.replica
 
 
@@ -97,7 +97,7 @@ async def test_seed_score_is_100_cached_minus_10_in_flight(inflight: int, stays:
     policy = make(Seed, fleet)
     first = await pick(policy, request("sys", "q1"), REPLICAS[:2])
     fleet.busy(first, inflight)
-    decision, _ = await policy.choose(Choice(request("sys", "q2"), "sim", NS, REPLICAS[:2]), {})
+    decision, _ = await policy.choose(Choice(request("sys", "q2"), "sim", SIM, REPLICAS[:2]), {})
     assert {s.replica: s.score for s in decision.scores}[first] == 100 - 10 * inflight
     assert (decision.replica == first) == stays
 
@@ -191,7 +191,7 @@ async def test_oracle_picks_the_lowest_expected_ttft_the_engines_report() -> Non
     async with probed(answers) as (engines_seen, replicas):
         try:
             policy = make(Oracle, Fleet(), upstream)
-            choice = Choice(request("s", "q"), "sim", NS, replicas)
+            choice = Choice(request("s", "q"), "sim", SIM, replicas)
             decision, tokens = await policy.choose(choice, {})
         finally:
             await upstream.aclose()

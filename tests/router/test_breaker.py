@@ -13,11 +13,10 @@ from router.breaker import CircuitBreaker, GuardedIndex, LoopLag
 from router.load import LocalLoadBoard
 from router.metrics import RouterMetrics
 from tests.clock import ManualClock
+from tests.factories import SIM
 from tracker.blocks import Namespace
 from tracker.errors import IndexUnavailableError
 from tracker.index import Match, MemoryIndex
-
-NS = Namespace("m", 16)
 
 
 def test_breaker_opens_probes_and_closes() -> None:
@@ -82,16 +81,16 @@ async def test_slow_or_failing_index_falls_back_to_local_load() -> None:
     guarded = GuardedIndex(
         index, board, RouterMetrics(registry), budget_s=0.01, failures=3, cooldown_s=0.2
     )
-    lease = board.acquire(NS, "r1", 100)
-    guarded.predict(NS, "r1", [1, 2, 3], 10.0)
+    lease = board.acquire(SIM, "r1", 100)
+    guarded.predict(SIM, "r1", [1, 2, 3], 10.0)
     await asyncio.sleep(0)
-    view = await guarded.view(NS, [1, 2, 3])
+    view = await guarded.view(SIM, [1, 2, 3])
     assert (view.fallback, view.matches["r1"].blocks) == (None, 3)
 
     index.delay = 1.0
     started = time.monotonic()
     for _ in range(5):
-        view = await guarded.view(NS, [1, 2, 3])
+        view = await guarded.view(SIM, [1, 2, 3])
         assert view.matches == {}
         assert view.loads["r1"].inflight == 1  # this router's own load, always known
     assert time.monotonic() - started < 0.5  # three 10 ms timeouts, then no attempt at all
@@ -104,19 +103,19 @@ async def test_slow_or_failing_index_falls_back_to_local_load() -> None:
     assert fallbacks == 2
     assert registry.get_sample_value("kvrouter_router_index_breaker_open") == 1
 
-    guarded.predict(NS, "r1", [4], 10.0)  # skipped while the breaker is open
+    guarded.predict(SIM, "r1", [4], 10.0)  # skipped while the breaker is open
     assert registry.get_sample_value("kvrouter_router_predictions_total", {"status": "skipped"})
 
     index.delay = 0.0
     await asyncio.sleep(0.25)
-    view = await guarded.view(NS, [1, 2, 3])
+    view = await guarded.view(SIM, [1, 2, 3])
     assert view.fallback is None and view.matches["r1"].blocks == 3
     assert guarded.breaker.state == "closed"
 
     index.fail = True
-    view = await guarded.view(NS, [1])
+    view = await guarded.view(SIM, [1])
     assert view.fallback == "error"
-    guarded.predict(NS, "r1", [5], 10.0)
+    guarded.predict(SIM, "r1", [5], 10.0)
     await guarded.stop()
     await asyncio.sleep(0)
     lease.release()
@@ -136,9 +135,9 @@ def guarded_index(
 async def test_no_prediction_without_ttl(ttl: float) -> None:
     index = FlakyIndex()
     guarded = guarded_index(index)
-    guarded.predict(NS, "r1", [1], ttl)
+    guarded.predict(SIM, "r1", [1], ttl)
     await asyncio.sleep(0)
-    assert await index.lookup(NS, [1]) == {}
+    assert await index.lookup(SIM, [1]) == {}
 
 
 async def test_loop_lag_records_how_late_a_busy_loop_runs_timers() -> None:
@@ -158,14 +157,14 @@ async def test_a_reply_late_only_because_the_loop_was_busy_is_waited_for() -> No
     40 ms meanwhile: without the loop's lag in the budget the lookup times out (and three
     such open the breaker for every request); with it, the answer is used."""
     index = FlakyIndex()
-    await index.predict(NS, "r1", [1, 2, 3], 10.0)
+    await index.predict(SIM, "r1", [1, 2, 3], 10.0)
     index.delay = 0.005
 
     async def busy_lookups(guarded: GuardedIndex) -> list[str | None]:
         reasons = []
         for _ in range(3):
             asyncio.get_running_loop().call_soon(time.sleep, 0.04)
-            reasons.append((await guarded.view(NS, [1, 2, 3])).fallback)
+            reasons.append((await guarded.view(SIM, [1, 2, 3])).fallback)
         return reasons
 
     blind = guarded_index(index, cooldown_s=5)
@@ -186,8 +185,8 @@ async def test_an_in_process_index_is_read_without_waiting_for_the_loop() -> Non
     """Embedded, the index and the load board live in the router: the decision reads them
     without suspending, so no other work of the loop can come between (and no timeout)."""
     index = MemoryIndex()
-    await index.predict(NS, "r1", [1, 2], 10.0)
-    view = guarded_index(index).view(NS, [1, 2])
+    await index.predict(SIM, "r1", [1, 2], 10.0)
+    view = guarded_index(index).view(SIM, [1, 2])
     with pytest.raises(StopIteration) as done:
         view.send(None)  # ran to its end in one step
     assert done.value.value.matches["r1"].blocks == 2

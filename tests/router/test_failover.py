@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from router.proxy import FALLBACK_HEADER, PREDICTED_HEADER, REPLICA_HEADER
 from router.service import RouterService
+from tests.factories import SIM
 from tests.procs import RedisServer, free_port, free_ports
 from tests.router.harness import (
     SYSTEM,
@@ -32,17 +33,16 @@ from tests.router.harness import (
     wait_healthy,
     wait_until,
 )
-from tracker.blocks import Namespace, block_keys
+from tracker.blocks import block_keys
 from tracker.http import HTTPServer, bind
 
 pytestmark = pytest.mark.timeout(60)
-NS = Namespace("sim", 16)
 
 
 async def prefer(service: RouterService, replica: str, body: dict[str, Any]) -> None:
     """Make ``replica`` the best choice for ``body`` (a prediction covering its prompt)."""
     ids = service.router.placer.tokenizers.default.chat_sync(body["messages"])
-    await service.router.index.predict(NS, replica, block_keys(ids, NS), 60.0)
+    await service.router.index.predict(SIM, replica, block_keys(ids, SIM), 60.0)
 
 
 async def test_connect_failure_is_retried_and_the_replica_comes_back() -> None:

@@ -12,14 +12,13 @@ import pytest
 from router.load import Load, RedisLoadBoard
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from router.service import RouterService
+from tests.factories import SIM
 from tests.procs import RedisServer
 from tests.router.harness import SYSTEM, base_url, chat, engines, metric, router, wait_until
-from tracker.blocks import Namespace
 from tracker.index import MemoryIndex
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
-NS = Namespace("sim", 16)
 SHARED = {"load_refresh_ms": 10.0, "lease_ttl_s": 1.5, "load_renew_s": 0.3}
 
 
@@ -84,7 +83,7 @@ def _inflight(service: RouterService, replica: str) -> int:
     """What ``service``'s decisions see of ``replica``'s requests in flight (every router's)."""
     board = service.router.load
     assert isinstance(board, RedisLoadBoard)
-    return board.view(NS).get(replica, Load()).inflight
+    return board.view(SIM).get(replica, Load()).inflight
 
 
 async def test_redis_down_costs_only_the_shared_load(own_redis: RedisServer) -> None:
@@ -114,7 +113,7 @@ async def test_redis_down_costs_only_the_shared_load(own_redis: RedisServer) -> 
         own_redis.start()
         board = a.router.load
         assert isinstance(board, RedisLoadBoard)
-        lease = board.acquire(NS, home, 64)  # a's load reaches b again
+        lease = board.acquire(SIM, home, 64)  # a's load reaches b again
 
         async def shared() -> bool:
             return _inflight(b, home) == 1

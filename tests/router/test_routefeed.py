@@ -9,14 +9,13 @@ import pytest
 import redis.asyncio as redis
 
 from router.routefeed import RouteFeed
+from tests.factories import SIM
 from tests.procs import free_port
-from tracker.blocks import Namespace
 from tracker.index import MemoryIndex
 from tracker.keys import NamespaceKeys
 
 pytestmark = pytest.mark.redis
 
-NS = Namespace("llama", 16)
 KEYS = [11, 12, 13, 14]
 Factory = Callable[..., RouteFeed]
 
@@ -46,37 +45,37 @@ async def _drain(feed: RouteFeed) -> None:
 
 async def test_routes_reach_the_other_routers_index_not_their_own(feeds: Factory) -> None:
     a, b = feeds("a"), feeds("b")
-    b.want(NS)
+    b.want(SIM)
     assert await b.refresh() == 0
-    a.publish(NS, "r1", KEYS, ttl_s=3.0, anchors=[11], home_ttl_s=120.0)
+    a.publish(SIM, "r1", KEYS, ttl_s=3.0, anchors=[11], home_ttl_s=120.0)
     await _drain(a)
     assert a.stats.written == 1
     assert await b.refresh() == 1 and await b.refresh() == 0  # read once
-    survey = await b.index.survey(NS, KEYS)
+    survey = await b.index.survey(SIM, KEYS)
     assert survey.matches["r1"].predicted_blocks == 4
     assert set(survey.homes) == {"r1"} and survey.homes["r1"].blocks == 1
-    a.want(NS)
+    a.want(SIM)
     assert await a.refresh() == 0  # its own route is already in its index (the router's)
-    assert (await a.index.survey(NS, KEYS)).matches == {}
+    assert (await a.index.survey(SIM, KEYS)).matches == {}
 
 
 async def test_a_route_counts_from_when_it_was_made(feeds: Factory) -> None:
     """Lifetimes run from the entry's time: an old prediction is not revived, its home
     claim keeps its age, and a claim made later is not overwritten by an earlier one."""
     a, b = feeds("a"), feeds("b")
-    a.publish(NS, "r1", KEYS, ttl_s=0.2, anchors=[11], home_ttl_s=120.0)
+    a.publish(SIM, "r1", KEYS, ttl_s=0.2, anchors=[11], home_ttl_s=120.0)
     await _drain(a)
     await asyncio.sleep(0.3)
-    b.index.record_route(NS, "r2", [], ttl_s=0.0, anchors=[11], home_ttl_s=120.0)  # b's own
-    b.want(NS)
+    b.index.record_route(SIM, "r2", [], ttl_s=0.0, anchors=[11], home_ttl_s=120.0)  # b's own
+    b.want(SIM)
     assert await b.refresh() == 1
-    survey = await b.index.survey(NS, KEYS)
+    survey = await b.index.survey(SIM, KEYS)
     assert "r1" not in survey.matches  # the prediction expired before b read it
     assert set(survey.homes) == {"r2"}  # b's later claim stands
     c = feeds("c")
-    c.want(NS)
+    c.want(SIM)
     await c.refresh()
-    home = (await c.index.survey(NS, KEYS)).homes["r1"]
+    home = (await c.index.survey(SIM, KEYS)).homes["r1"]
     assert home.age_s >= 0.25
 
 
@@ -85,25 +84,25 @@ async def test_a_new_router_reads_the_live_homes_and_the_stream_is_capped(
 ) -> None:
     a = feeds("a")
     for i in range(3):
-        a.publish(NS, f"r{i}", [100 + i], ttl_s=3.0, anchors=[100 + i], home_ttl_s=120.0)
+        a.publish(SIM, f"r{i}", [100 + i], ttl_s=3.0, anchors=[100 + i], home_ttl_s=120.0)
     await _drain(a)
     late = feeds("late", since_s=60.0)
-    late.want(NS)
+    late.want(SIM)
     assert await late.refresh() == 3
     none = feeds("none", since_s=0.0)  # homes older than its window are not read
-    none.want(NS)
+    none.want(SIM)
     await asyncio.sleep(0.01)
     assert await none.refresh() == 0
     async with redis.Redis.from_url(redis_url) as client:
-        info = await client.xinfo_stream(NamespaceKeys(NS).routes)
+        info = await client.xinfo_stream(NamespaceKeys(SIM).routes)
     assert info["length"] == 3
 
 
 async def test_redis_down_drops_routes_and_never_raises(feeds: Factory) -> None:
     a = feeds("a", url=f"redis://127.0.0.1:{free_port()}/0")
     await a.start()
-    a.want(NS)
-    a.publish(NS, "r1", KEYS, ttl_s=3.0, anchors=[11], home_ttl_s=120.0)
+    a.want(SIM)
+    a.publish(SIM, "r1", KEYS, ttl_s=3.0, anchors=[11], home_ttl_s=120.0)
     await _drain(a)
     await asyncio.sleep(0.05)
     assert a.stats.write_errors == 1 and a.stats.written == 0
@@ -114,12 +113,12 @@ async def test_a_malformed_entry_is_skipped_and_the_rest_applied(
     feeds: Factory, redis_url: str
 ) -> None:
     a, b = feeds("a"), feeds("b")
-    b.want(NS)
+    b.want(SIM)
     await b.refresh()
     async with redis.Redis.from_url(redis_url) as client:
-        await client.xadd(NamespaceKeys(NS).routes, {"r": "old-router", "p": "r9", "k": "x"})
-    a.publish(NS, "r1", KEYS, ttl_s=3.0, anchors=[11], home_ttl_s=120.0)
+        await client.xadd(NamespaceKeys(SIM).routes, {"r": "old-router", "p": "r9", "k": "x"})
+    a.publish(SIM, "r1", KEYS, ttl_s=3.0, anchors=[11], home_ttl_s=120.0)
     await _drain(a)
     assert await b.refresh() == 1
     assert b.stats.malformed == 1
-    assert (await b.index.survey(NS, KEYS)).matches["r1"].predicted_blocks == 4
+    assert (await b.index.survey(SIM, KEYS)).matches["r1"].predicted_blocks == 4

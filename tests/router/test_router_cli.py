@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from router.proxy import PREDICTED_HEADER
-from tests.procs import free_port, free_ports
-from tests.router.harness import KVROUTER, SYSTEM, Process, chat, wait_healthy
+from tests.procs import KVROUTER, free_port, free_ports
+from tests.router.harness import SYSTEM, Process, chat, wait_healthy
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -79,7 +79,9 @@ def test_wildcard_endpoints_still_bind_when_given() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_a_replica_on_loopback_connects_out_and_listens_on_loopback_only() -> None:
+async def test_a_replica_on_loopback_connects_out_and_listens_on_loopback_only(
+    zctx: zmq.asyncio.Context,
+) -> None:
     """vLLM's rule: a loopback PUB endpoint is connected to, as a tracker's ``--bind``."""
     http, events, replay = free_port(), free_port(), free_port()
     settings = ReplicaSettings(
@@ -89,8 +91,7 @@ async def test_a_replica_on_loopback_connects_out_and_listens_on_loopback_only()
         time_scale=0.01,
         num_blocks=256,
     )
-    context = zmq.asyncio.Context()
-    sub = context.socket(zmq.SUB)
+    sub = zctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{events}")  # where the tracker's --bind would listen
     fleet = FleetService(settings)
@@ -121,7 +122,6 @@ async def test_a_replica_on_loopback_connects_out_and_listens_on_loopback_only()
         decode_batch(decode_message(received).payload)
     finally:
         sub.close(linger=0)
-        context.destroy(linger=0)
         await fleet.stop()
 
 

@@ -10,7 +10,6 @@ import asyncio
 import gc
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -22,16 +21,14 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.procs import free_port, wait_for_port
-from tracker.blocks import Namespace, block_keys
+from tests.factories import SIM, SMALL, batch, stored
+from tests.procs import KVROUTER, free_port, wait_for_port
+from tracker.blocks import block_keys
 from tracker.errors import IndexUnavailableError
-from tracker.events import BlockStored, EventBatch
 from tracker.index import ReplicaRecord
 from tracker.redis_index import RedisIndex
 
 PASSWORD = "s3cret-redis-pw"
-KVROUTER = Path(sys.executable).parent / "kvrouter"
-NS = Namespace("m", 4)
 TOKENS = list(range(1, 13))
 
 pytestmark = pytest.mark.timeout(60)
@@ -104,23 +101,16 @@ def tls_redis() -> Iterator[TLSRedis]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _batch() -> EventBatch:
-    stored = BlockStored(
-        block_hashes=[11, 12, 13], parent_block_hash=None, token_ids=TOKENS, block_size=4
-    )
-    return EventBatch(1.0, [stored], 0)
-
-
 async def test_index_load_and_registry_over_tls_with_auth(tls_redis: TLSRedis) -> None:
     from router.load import RedisLoadBoard
 
     index = RedisIndex.from_url(tls_redis.url())
     try:
         await index.client.flushall()
-        await index.apply("tls-r", NS, _batch(), seq=0)
-        matches = await index.lookup(NS, block_keys(TOKENS, NS))
+        await index.apply("tls-r", SMALL, batch(stored(TOKENS, [11, 12, 13])), seq=0)
+        matches = await index.lookup(SMALL, block_keys(TOKENS, SMALL))
         assert matches["tls-r"].blocks == 3
-        assert await index.last_seq("tls-r", NS) == 0
+        assert await index.last_seq("tls-r", SMALL) == 0
         await index.register(ReplicaRecord(id="tls-r", model="m", block_size=4, url="http://x"))
         assert [r.id for r in await index.replicas()] == ["tls-r"]
         # the routers' shared load rides on the index's client: TLS and AUTH included
@@ -128,9 +118,9 @@ async def test_index_load_and_registry_over_tls_with_auth(tls_redis: TLSRedis) -
         two = RedisLoadBoard(index.client, "router-2", lease_ttl_s=5.0, renew_interval_s=1.0)
         await one.start()
         try:
-            lease = one.acquire(NS, "tls-r", 100)
+            lease = one.acquire(SMALL, "tls-r", 100)
             deadline = time.monotonic() + 5
-            while "tls-r" not in (seen := await two.snapshot(NS)):
+            while "tls-r" not in (seen := await two.snapshot(SMALL)):
                 assert time.monotonic() < deadline, "router-2 never saw router-1's load"
                 await asyncio.sleep(0.02)
             assert seen["tls-r"].inflight == 1
@@ -161,7 +151,7 @@ async def test_refused_connections_fail_cleanly(
         warnings.simplefilter("ignore", ResourceWarning)
         try:
             with pytest.raises(IndexUnavailableError) as info:
-                await index.lookup(NS, block_keys(TOKENS, NS))
+                await index.lookup(SMALL, block_keys(TOKENS, SMALL))
         finally:
             await index.close()
         gc.collect()
@@ -179,7 +169,7 @@ async def test_lookup_command_over_tls(tls_redis: TLSRedis) -> None:
     index = RedisIndex.from_url(tls_redis.url())
     try:
         await index.client.flushall()
-        await index.apply("tls-r", NS, _batch(), seq=0)
+        await index.apply("tls-r", SMALL, batch(stored(TOKENS, [11, 12, 13])), seq=0)
     finally:
         await index.close()
     tokens = ",".join(map(str, TOKENS))
@@ -244,7 +234,7 @@ async def test_replica_tracker_and_router_processes_over_tls(
                     assert denied.status_code == 401
 
                 async def indexed() -> bool:  # the tracker wrote the engine's blocks over TLS
-                    return await index.block_count("replica-0", Namespace("sim", 16)) > 0
+                    return await index.block_count("replica-0", SIM) > 0
 
                 await wait_until(indexed, 20)
                 query = {"model": "sim", "messages": chat("s" * 400, "a")["messages"]}

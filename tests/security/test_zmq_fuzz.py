@@ -40,7 +40,7 @@ from tracker.redis_index import RedisIndex
 from tracker.streams import ReplicaTarget
 from tracker.subscriber import Subscriber
 
-NS = Namespace("fuzz", BLOCK_SIZE)
+NS = Namespace("fuzz", BLOCK_SIZE)  # the golden payloads' block size, not a shared shape
 SEED = int(os.environ.get("KVROUTER_FUZZ_SEED", "20240611"))
 DECODE_MESSAGES = 100_000
 SOCKET_MESSAGES = 5_000
@@ -169,15 +169,14 @@ async def _assert_same_index(redis_url: str, reference: MemoryIndex, replicas: l
 
 
 async def test_5k_messages_through_the_subscriber_into_redis(
-    redis_url: str, caplog: pytest.LogCaptureFixture
+    redis_url: str, caplog: pytest.LogCaptureFixture, zctx: zmq.asyncio.Context
 ) -> None:
     caplog.set_level(logging.ERROR, logger="tracker")  # one warning per junk message otherwise
     source = FrameSource(load_golden(VECTORS), SEED + 1, replicas=1)
     messages = list(source.messages(SOCKET_MESSAGES))
     replica = source.replicas[0].decode()
 
-    context = zmq.asyncio.Context()
-    pub = context.socket(zmq.XPUB)
+    pub = zctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.setsockopt(zmq.SNDHWM, 0)  # never drop: every message must reach the tracker
     pub.bind("tcp://127.0.0.1:*")
@@ -204,7 +203,6 @@ async def test_5k_messages_through_the_subscriber_into_redis(
         await subscriber.stop(5.0)
         await index.close()
         pub.close(linger=0)
-        context.destroy(linger=0)
 
     intake = Intake()  # the verdicts of the same decoder, message by message
     for kind, frames in messages:
@@ -220,7 +218,7 @@ async def test_5k_messages_through_the_subscriber_into_redis(
 
 
 async def test_oversized_frames_on_the_bound_socket_are_refused(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, zctx: zmq.asyncio.Context
 ) -> None:
     """Bind mode: a frame over MAX_MESSAGE_BYTES is never decoded; its sender reconnects."""
     import tracker.subscriber
@@ -233,8 +231,7 @@ async def test_oversized_frames_on_the_bound_socket_are_refused(
     )
     subscriber = Subscriber(settings, MemoryIndex(), TrackerMetrics(registry))
     await subscriber.start()
-    context = zmq.asyncio.Context()
-    pub = context.socket(zmq.PUB)
+    pub = zctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     try:
         assert subscriber.bound_endpoint is not None
@@ -256,5 +253,4 @@ async def test_oversized_frames_on_the_bound_socket_are_refused(
         assert subscriber.failure is None
     finally:
         pub.close(linger=0)
-        context.destroy(linger=0)
         await subscriber.stop(5.0)

@@ -12,39 +12,14 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Sequence
 
 import zmq
 import zmq.asyncio
 
-from tracker.events import (
-    REPLAY_END_SEQ,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    EventBatch,
-    WireEra,
-    encode_batch,
-    encode_message,
-)
+from tests.factories import batch
+from tracker.events import REPLAY_END_SEQ, Event, WireEra, encode_batch, encode_message
 
 END = REPLAY_END_SEQ.to_bytes(8, "big")
-
-
-def stored(
-    tokens: Sequence[int], hashes: Sequence[int], parent: int | None = None, block_size: int = 4
-) -> BlockStored:
-    return BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=parent,
-        token_ids=list(tokens),
-        block_size=block_size,
-        medium="GPU",
-    )
-
-
-def removed(hashes: Sequence[int]) -> BlockRemoved:
-    return BlockRemoved(block_hashes=list(hashes), medium="GPU")
 
 
 async def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:
@@ -129,7 +104,7 @@ class EventPublisher:
 
     async def publish(self, *events: Event, live: bool = True) -> int:
         """Publish one batch; ``live=False`` keeps it only in the replay buffer (a gap)."""
-        payload = encode_batch(EventBatch(time.time(), list(events), 0), self.era)
+        payload = encode_batch(batch(*events, ts=time.time()), self.era)
         return await self.publish_payload(payload, live=live)
 
     async def publish_payload(self, payload: bytes, *, live: bool = True) -> int:

@@ -9,14 +9,14 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.factories import LLAMA
 from tracker.blocks import ChainCache, Namespace, block_keys, namespace_seed, token_bytes
 
-NS = Namespace("llama", 4)
 TOKENS = list(range(100, 132))  # 8 blocks of 4
 
 
 def test_keys_are_deterministic_and_one_per_full_block() -> None:
-    keys = block_keys(TOKENS, NS)
+    keys = block_keys(TOKENS, LLAMA)
     assert len(keys) == 8
     assert keys == block_keys(list(TOKENS), Namespace("llama", 4))
     assert len(set(keys)) == 8
@@ -25,16 +25,18 @@ def test_keys_are_deterministic_and_one_per_full_block() -> None:
 
 def test_key_formula_is_the_documented_one() -> None:
     """key_0 = XXH3_64(tokens as uint32 LE, seed=namespace seed); key_i seeded by key_{i-1}."""
-    first = xxhash.xxh3_64_intdigest(b"".join(t.to_bytes(4, "little") for t in TOKENS[:4]), NS.seed)
+    first = xxhash.xxh3_64_intdigest(
+        b"".join(t.to_bytes(4, "little") for t in TOKENS[:4]), LLAMA.seed
+    )
     second = xxhash.xxh3_64_intdigest(b"".join(t.to_bytes(4, "little") for t in TOKENS[4:8]), first)
-    assert block_keys(TOKENS[:8], NS) == [first, second]
-    assert NS.seed == namespace_seed("llama", None, 4)
+    assert block_keys(TOKENS[:8], LLAMA) == [first, second]
+    assert LLAMA.seed == namespace_seed("llama", None, 4)
 
 
 def test_chaining_second_half_from_last_key_of_first_half() -> None:
-    whole = block_keys(TOKENS, NS)
-    head = block_keys(TOKENS[:16], NS)
-    tail = block_keys(TOKENS[16:], NS, parent=head[-1])
+    whole = block_keys(TOKENS, LLAMA)
+    head = block_keys(TOKENS[:16], LLAMA)
+    tail = block_keys(TOKENS[16:], LLAMA, parent=head[-1])
     assert head + tail == whole
 
 
@@ -66,7 +68,7 @@ def test_chaining_identity_property(
     ],
 )
 def test_namespace_changes_every_key(other: Namespace) -> None:
-    mine = block_keys(TOKENS, NS)
+    mine = block_keys(TOKENS, LLAMA)
     theirs = block_keys(TOKENS, other)
     assert not set(mine) & set(theirs)
 
@@ -75,13 +77,13 @@ def test_two_loras_differ_and_empty_lora_is_no_lora() -> None:
     a = block_keys(TOKENS, Namespace("llama", 4, "a"))
     b = block_keys(TOKENS, Namespace("llama", 4, "b"))
     assert not set(a) & set(b)
-    assert block_keys(TOKENS, Namespace("llama", 4, "")) == block_keys(TOKENS, NS)
+    assert block_keys(TOKENS, Namespace("llama", 4, "")) == block_keys(TOKENS, LLAMA)
 
 
 def test_namespace_base_drops_the_lora_only() -> None:
-    assert Namespace("llama", 4, "a").base() == NS
-    assert Namespace("llama", 4, "").base() == NS
-    assert NS.base() is NS
+    assert Namespace("llama", 4, "a").base() == LLAMA
+    assert Namespace("llama", 4, "").base() == LLAMA
+    assert LLAMA.base() is LLAMA
 
 
 @pytest.mark.parametrize("block_size", [0, -1])
@@ -92,70 +94,70 @@ def test_namespace_rejects_bad_block_size(block_size: int) -> None:
 
 @pytest.mark.parametrize("block", [0, 3, 7])
 def test_extra_key_changes_its_block_and_later_ones_only(block: int) -> None:
-    plain = block_keys(TOKENS, NS)
+    plain = block_keys(TOKENS, LLAMA)
     extra: list[object] = [None] * 8
     extra[block] = ["salt"]
-    salted = block_keys(TOKENS, NS, extra_keys=extra)
+    salted = block_keys(TOKENS, LLAMA, extra_keys=extra)
     assert salted[:block] == plain[:block]
     assert all(s != p for s, p in zip(salted[block:], plain[block:], strict=True))
 
 
 def test_extra_keys_all_none_or_short_list_is_no_extra() -> None:
-    plain = block_keys(TOKENS, NS)
-    assert block_keys(TOKENS, NS, extra_keys=[None] * 8) == plain
-    assert block_keys(TOKENS, NS, extra_keys=[]) == plain
-    short = block_keys(TOKENS, NS, extra_keys=[("s",)])
+    plain = block_keys(TOKENS, LLAMA)
+    assert block_keys(TOKENS, LLAMA, extra_keys=[None] * 8) == plain
+    assert block_keys(TOKENS, LLAMA, extra_keys=[]) == plain
+    short = block_keys(TOKENS, LLAMA, extra_keys=[("s",)])
     assert short[0] != plain[0]
     assert len(short) == 8
 
 
 def test_extra_keys_tuples_and_lists_agree() -> None:
     """Decoded events carry lists where the router builds tuples; both must hash alike."""
-    as_tuples = block_keys(TOKENS, NS, extra_keys=[("img", 3), None])
-    as_lists = block_keys(TOKENS, NS, extra_keys=[["img", 3], None])
+    as_tuples = block_keys(TOKENS, LLAMA, extra_keys=[("img", 3), None])
+    as_lists = block_keys(TOKENS, LLAMA, extra_keys=[["img", 3], None])
     assert as_tuples == as_lists
-    assert block_keys(TOKENS, NS, extra_keys=[("img", 4), None]) != as_tuples
+    assert block_keys(TOKENS, LLAMA, extra_keys=[("img", 4), None]) != as_tuples
 
 
 @pytest.mark.parametrize("extra", [0, 1, 3])
 def test_partial_trailing_block_is_ignored(extra: int) -> None:
-    assert block_keys(TOKENS + list(range(extra)), NS) == block_keys(TOKENS, NS)
-    assert block_keys(TOKENS[:3], NS) == []
+    assert block_keys(TOKENS + list(range(extra)), LLAMA) == block_keys(TOKENS, LLAMA)
+    assert block_keys(TOKENS[:3], LLAMA) == []
 
 
 def test_bytes_array_and_list_inputs_agree() -> None:
-    keys = block_keys(TOKENS, NS)
-    assert block_keys(token_bytes(TOKENS), NS) == keys
-    assert block_keys(array("I", TOKENS), NS) == keys
-    assert block_keys(tuple(TOKENS), NS) == keys
+    keys = block_keys(TOKENS, LLAMA)
+    assert block_keys(token_bytes(TOKENS), LLAMA) == keys
+    assert block_keys(array("I", TOKENS), LLAMA) == keys
+    assert block_keys(tuple(TOKENS), LLAMA) == keys
     assert token_bytes(TOKENS)[:8] == (100).to_bytes(4, "little") + (101).to_bytes(4, "little")
 
 
 @pytest.mark.parametrize(("limit", "count"), [(0, 0), (1, 1), (5, 5), (8, 8), (100, 8)])
 def test_limit(limit: int, count: int) -> None:
-    keys = block_keys(TOKENS, NS, limit=limit)
-    assert keys == block_keys(TOKENS, NS)[:count]
+    keys = block_keys(TOKENS, LLAMA, limit=limit)
+    assert keys == block_keys(TOKENS, LLAMA)[:count]
     assert (
-        block_keys(TOKENS, NS, limit=limit, extra_keys=[("s",)])
-        == block_keys(TOKENS, NS, extra_keys=[("s",)])[:count]
+        block_keys(TOKENS, LLAMA, limit=limit, extra_keys=[("s",)])
+        == block_keys(TOKENS, LLAMA, extra_keys=[("s",)])[:count]
     )
 
 
 def test_parent_changes_every_key() -> None:
-    assert not set(block_keys(TOKENS, NS)) & set(block_keys(TOKENS, NS, parent=1))
+    assert not set(block_keys(TOKENS, LLAMA)) & set(block_keys(TOKENS, LLAMA, parent=1))
 
 
 def test_token_order_and_value_matter() -> None:
-    keys = block_keys(TOKENS, NS)
+    keys = block_keys(TOKENS, LLAMA)
     swapped = [TOKENS[1], TOKENS[0], *TOKENS[2:]]
-    assert block_keys(swapped, NS)[0] != keys[0]
-    assert block_keys([1 << 31, *TOKENS[1:]], NS)[0] != keys[0]
+    assert block_keys(swapped, LLAMA)[0] != keys[0]
+    assert block_keys([1 << 31, *TOKENS[1:]], LLAMA)[0] != keys[0]
 
 
 @pytest.mark.parametrize("bad", [[-1, 0, 0, 0], [1 << 32, 0, 0, 0]])
 def test_out_of_range_tokens_raise(bad: list[int]) -> None:
     with pytest.raises(OverflowError):
-        block_keys(bad, NS)
+        block_keys(bad, LLAMA)
 
 
 @settings(max_examples=60, deadline=None)
@@ -173,7 +175,7 @@ def test_chain_cache_gives_block_keys_exactly(plan: list[tuple[int, int, int]]) 
     cache = ChainCache(max_blocks=400, min_blocks=4)
     for base, cut, extra in plan:
         tokens = bases[base][:cut] + [(cut + i) % 997 for i in range(extra)]
-        namespace = NS if base % 2 else Namespace("other", 32)
+        namespace = LLAMA if base % 2 else Namespace("other", 32)
         assert cache.keys(tokens, namespace) == block_keys(tokens, namespace)
         assert cache.blocks <= cache.max_blocks
 

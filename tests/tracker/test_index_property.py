@@ -17,12 +17,12 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tracker.blocks import Namespace, block_keys
-from tracker.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
+from tests.factories import TINY, batch
+from tracker.blocks import block_keys
+from tracker.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from tracker.index import BlockIndex, MemoryIndex
 from tracker.redis_index import RedisIndex
 
-NS = Namespace("m", 2)
 REPLICAS = ("r0", "r1", "r2")
 Prefix = tuple[tuple[int, int], ...]  # a chain of blocks, each two token ids
 
@@ -135,7 +135,7 @@ def to_event(op: Any) -> Event:
             [engine_hash(op.sequence[: b + 1]) for b in blocks],
             parent,
             flat(op.sequence[op.start : op.start + op.count]),
-            NS.block_size,
+            TINY.block_size,
             medium="GPU",
         )
     if isinstance(op, Offload):
@@ -200,22 +200,22 @@ async def check(index: BlockIndex, steps: list[Step]) -> None:
     for seq, step in enumerate(steps):
         if step.clear_first:
             model.apply(step.replica, Cleared())
-            await index.clear(step.replica, NS)
+            await index.clear(step.replica, TINY)
         for op in step.ops:
             model.apply(step.replica, op)
             if isinstance(op, Store):
                 queries.add(op.sequence)
         events = [to_event(op) for op in step.ops]
-        await index.apply(step.replica, NS, EventBatch(1.0, events, 0), seq)
+        await index.apply(step.replica, TINY, batch(*events), seq)
     for sequence in sorted(queries):
-        found = await index.lookup(NS, block_keys(flat(sequence), NS))
+        found = await index.lookup(TINY, block_keys(flat(sequence), TINY))
         got = {
             r: (m.blocks, m.gpu_blocks, m.cpu_blocks, m.storage_blocks, m.remote_blocks)
             for r, m in found.items()
         }
         assert got == model.lookup(sequence), sequence
     for replica in REPLICAS:
-        assert await index.block_count(replica, NS) == len(model.held[replica])
+        assert await index.block_count(replica, TINY) == len(model.held[replica])
 
 
 @settings(max_examples=300, deadline=None)

@@ -13,12 +13,12 @@ import redis.asyncio as aredis
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from tests.factories import SMALL, batch
 from tests.procs import free_port
 from tests.tracker.publisher import EventPublisher
 from tests.tracker.test_subscriber import (
     A_TOKENS,
     ANY,
-    NS,
     ROOTS,
     block_a,
     held,
@@ -29,7 +29,6 @@ from tests.tracker.test_subscriber import (
 )
 from tracker.config import TrackerSettings
 from tracker.errors import FencedError
-from tracker.events import EventBatch
 from tracker.lease import TrackerLease
 from tracker.redis_index import RedisIndex
 from tracker.service import TrackerService
@@ -86,18 +85,18 @@ async def test_a_stale_tracker_cannot_write_once_the_next_one_claimed_the_partit
 ) -> None:
     old, new = RedisIndex.from_url(redis_url), RedisIndex.from_url(redis_url)
     try:
-        batch = EventBatch(0.0, [block_a()], 0)
+        step = batch(block_a())
         assert await old.claim_partitions(1, "fleet") == 0  # nothing written yet
-        await old.apply("r1", NS, batch, 0)
+        await old.apply("r1", SMALL, step, 0)
         assert await held(new, A_TOKENS) == {"r1": 2}
         # a paused old tracker lost its lease; the new one claims before it reads anything
         assert await new.claim_partitions(2, "fleet") == 1
         with pytest.raises(FencedError):
-            await old.apply("r2", NS, batch, 0)
+            await old.apply("r2", SMALL, step, 0)
         with pytest.raises(FencedError):
-            await old.clear("r1", NS)
+            await old.clear("r1", SMALL)
         assert await held(new, A_TOKENS) == {"r1": 2}  # neither write landed
-        await new.apply("r2", NS, batch, 0)
+        await new.apply("r2", SMALL, step, 0)
         assert await held(new, A_TOKENS) == {"r1": 2, "r2": 2}
         with pytest.raises(FencedError):  # and an old tracker cannot claim them back
             await old.claim_partitions(1, "fleet")
@@ -112,13 +111,13 @@ async def test_elections_over_other_replicas_of_one_model_do_not_fence_each_othe
     # a fleet too big for one tracker: its replicas split over two elections, same model
     east, west = RedisIndex.from_url(redis_url), RedisIndex.from_url(redis_url)
     try:
-        batch = EventBatch(0.0, [block_a()], 0)
-        await east.apply("east-1", NS, batch, 0)
-        await west.apply("west-1", NS, batch, 0)
+        step = batch(block_a())
+        await east.apply("east-1", SMALL, step, 0)
+        await west.apply("west-1", SMALL, step, 0)
         assert await east.claim_partitions(7, "east") == 1
         assert await west.claim_partitions(1, "west") == 1  # a lower number, another election
-        await east.apply("east-2", NS, batch, 0)
-        await west.apply("west-2", NS, batch, 0)
+        await east.apply("east-2", SMALL, step, 0)
+        await west.apply("west-2", SMALL, step, 0)
         assert await held(east, A_TOKENS) == {
             f"{s}-{i}": 2 for s in ("east", "west") for i in (1, 2)
         }
@@ -128,12 +127,10 @@ async def test_elections_over_other_replicas_of_one_model_do_not_fence_each_othe
 
 
 @pytest.fixture
-async def publisher() -> AsyncIterator[EventPublisher]:
-    context = zmq.asyncio.Context()
-    pub = await EventPublisher(context, ANY, replay=ANY).start()
+async def publisher(zctx: zmq.asyncio.Context) -> AsyncIterator[EventPublisher]:
+    pub = await EventPublisher(zctx, ANY, replay=ANY).start()
     yield pub
     await pub.close()
-    context.destroy(linger=0)
 
 
 async def test_the_standby_takes_over_and_the_tracker_that_lost_its_lease_stops(
@@ -182,7 +179,7 @@ async def test_the_standby_takes_over_and_the_tracker_that_lost_its_lease_stops(
         await wait_until(lambda: held(indexes[1], ROOTS["D"][0]), what="second applied seq 1")
         # the first one's own writes are refused from now on, and it stops
         with pytest.raises(FencedError):
-            await indexes[0].apply("r9", NS, EventBatch(0.0, [block_a()], 0), 0)
+            await indexes[0].apply("r9", SMALL, batch(block_a()), 0)
         await wait_until(first._stopping.is_set, what="first stopped")
         assert isinstance(first._failure, FencedError)
         assert await held(indexes[1], A_TOKENS) == {"r1": 2}

@@ -3,33 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.procs import free_port
-from tracker.blocks import Namespace, block_keys
-from tracker.events import BlockRemoved, BlockStored, EventBatch
+from tests.factories import LLAMA, batch, removed, stored
+from tests.procs import KVROUTER, free_port, kvrouter_env
+from tracker.blocks import block_keys
 from tracker.redis_index import RedisIndex
 
-KVROUTER = Path(sys.executable).parent / "kvrouter"
-NS = Namespace("llama", 4)
 TOKENS = list(range(500, 516))  # 4 blocks of 4
 HASHES = [11, 12, 13, 14]
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
     return subprocess.run(
         [str(KVROUTER), "lookup", *args],
         capture_output=True,
         text=True,
         timeout=60,
-        env={**clean, **(env or {})},
+        env=kvrouter_env(env),
         check=False,
     )
 
@@ -46,15 +41,13 @@ async def filled(redis_url: str) -> str:
     """r1 holds all 4 blocks on GPU, r2 the first 2 (block 1 only offloaded), r3 a LoRA copy."""
     index = RedisIndex.from_url(redis_url)
     try:
-        stored = BlockStored(HASHES, None, TOKENS, NS.block_size, medium="GPU")
-        await index.apply("r1", NS, EventBatch(1.0, [stored], 0), 1)
-        first_two = BlockStored(HASHES[:2], None, TOKENS[:8], NS.block_size, medium="GPU")
-        cpu = BlockStored([12], None, [], 0, medium="CPU")
-        events = [first_two, cpu, BlockRemoved([12], "GPU")]
-        await index.apply("r2", NS, EventBatch(1.0, events, 0), 1)
-        lora = BlockStored([21], None, TOKENS[:4], NS.block_size, medium="GPU", lora_name="a")
-        await index.apply("r3", NS, EventBatch(1.0, [lora], 0), 1)
-        found = await index.lookup(NS, block_keys(TOKENS, NS))
+        await index.apply("r1", LLAMA, batch(stored(TOKENS, HASHES)), 1)
+        first_two = stored(TOKENS[:8], HASHES[:2])
+        cpu = stored([], [12], block_size=0, medium="CPU")
+        await index.apply("r2", LLAMA, batch(first_two, cpu, removed(12)), 1)
+        lora = stored(TOKENS[:4], [21], lora_name="a")
+        await index.apply("r3", LLAMA, batch(lora), 1)
+        found = await index.lookup(LLAMA, block_keys(TOKENS, LLAMA))
         assert set(found) == {"r1", "r2"}
     finally:
         await index.close()
@@ -65,7 +58,7 @@ def expected(**replicas: tuple[int, int]) -> dict[str, Any]:
     return {
         r: {
             "matched_blocks": blocks,
-            "matched_tokens": blocks * NS.block_size,
+            "matched_tokens": blocks * LLAMA.block_size,
             "gpu_blocks": gpu,
             "cpu_blocks": blocks - gpu,
             "storage_blocks": 0,

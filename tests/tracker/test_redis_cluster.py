@@ -15,7 +15,8 @@ import redis
 
 from bench.procs import RedisClusterNodes, sync_redis
 from router.load import RedisLoadBoard, new_router_id
-from tests.tracker.test_redis_index import NS, SEQ, batch, exercise, matches, remove, store
+from tests.factories import LLAMA, batch
+from tests.tracker.test_redis_index import SEQ, exercise, matches, remove, store
 from tracker import keys as schema
 from tracker.blocks import Namespace, block_keys
 from tracker.errors import ConfigError, IndexUnavailableError
@@ -63,7 +64,7 @@ async def test_every_index_operation_works_on_a_real_cluster(cluster_url: str) -
 async def test_partitions_of_different_models_live_on_different_masters(
     cluster_url: str,
 ) -> None:
-    models = [Namespace(f"model-{i}", NS.block_size) for i in range(8)]
+    models = [Namespace(f"model-{i}", LLAMA.block_size) for i in range(8)]
     index = RedisIndex.from_url(cluster_url)
     try:
         for rid, namespace in enumerate(models):
@@ -92,12 +93,12 @@ async def test_router_load_and_the_tracker_election_work_on_a_cluster(cluster_ur
     try:
         for board in boards:
             await board.start()
-        boards[0].acquire(NS, "r1", 2048)
+        boards[0].acquire(LLAMA, "r1", 2048)
         deadline = time.monotonic() + 3
-        while (await boards[1].snapshot(NS)).get("r1") is None:
+        while (await boards[1].snapshot(LLAMA)).get("r1") is None:
             assert time.monotonic() < deadline, "the other router never saw the load"
             await asyncio.sleep(0.01)
-        survey = await index.survey(NS, block_keys(SEQ, NS), load_except=boards[1].router_id)
+        survey = await index.survey(LLAMA, block_keys(SEQ, LLAMA), load_except=boards[1].router_id)
         assert survey.load is not None and survey.load["r1"][:2] == (1, 2048)
         first = TrackerLease(index.client, "fleet", 5.0, holder="a")
         second = TrackerLease(index.client, "fleet", 5.0, holder="b")
@@ -114,19 +115,19 @@ async def test_a_master_failover_is_followed_and_reconciled(
 ) -> None:
     index = RedisIndex.from_url(cluster_url)
     try:
-        await index.apply("r1", NS, batch(store(SEQ)), 1)
+        await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
         assert await index.restore_lost() == 0
         before = await index.server_id()
         with sync_redis(cluster_url) as client:
-            owner = client.get_node_from_key(schema.NamespaceKeys(NS).seq).port
+            owner = client.get_node_from_key(schema.NamespaceKeys(LLAMA).seq).port
         replica = next(port for port in _ports(cluster) if _info(port).get("master_port") == owner)
         await _promote(replica)  # the partition's master moves to its replica
         # the client follows MOVED to the new master; the tracker sees a new set of masters
-        await index.apply("r1", NS, batch(remove(SEQ, 3)), 2)
+        await index.apply("r1", LLAMA, batch(remove(SEQ, 3)), 2)
         assert await index.server_id() != before
         await index.restore_lost()  # reconciles whatever the promoted replica had not got
         assert await matches(index, SEQ) == {"r1": (3, 3)}
-        assert await index.last_seq("r1", NS) == 2
+        assert await index.last_seq("r1", LLAMA) == 2
     finally:
         await index.close()
 
@@ -141,10 +142,10 @@ async def test_an_idle_partition_moved_to_another_master_keeps_everything(
     there."""
     index = RedisIndex.from_url(cluster_url)
     try:
-        await index.apply("r1", NS, batch(store(SEQ)), 1)
-        await index.apply("r2", NS, batch(store(SEQ[:8])), 7)
+        await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
+        await index.apply("r2", LLAMA, batch(store(SEQ[:8])), 7)
         before = await matches(index, SEQ)
-        seq_key = schema.NamespaceKeys(NS).seq
+        seq_key = schema.NamespaceKeys(LLAMA).seq
         with sync_redis(cluster_url) as client:
             slot = client.keyslot(seq_key)
             source = client.get_node_from_key(seq_key).port
@@ -156,8 +157,8 @@ async def test_an_idle_partition_moved_to_another_master_keeps_everything(
             assert client.get_node_from_key(seq_key).port == target
         # the same client: its slot map is stale until the first MOVED
         assert await matches(index, SEQ) == before
-        assert await index.last_seq("r1", NS) == 1 and await index.last_seq("r2", NS) == 7
-        await index.apply("r1", NS, batch(remove(SEQ, 3)), 2)
+        assert await index.last_seq("r1", LLAMA) == 1 and await index.last_seq("r2", LLAMA) == 7
+        await index.apply("r1", LLAMA, batch(remove(SEQ, 3)), 2)
         assert await matches(index, SEQ) == {**before, "r1": (3, 3)}
     finally:
         await index.close()
@@ -183,14 +184,14 @@ async def test_a_live_partition_moved_to_another_master_under_load_loses_nothing
     chains = [[10_000 * c + t for t in range(16)] for c in range(400)]
     try:
         for c, chain in enumerate(chains[:60]):  # a partition with a few hundred keys
-            await index.apply("r1", NS, batch(store(chain)), c + 1)
-        await index.apply("gone", NS, batch(store(chains[-1])), 1)
-        await index.forget("gone", NS)  # a released rid: the free-rid set exists
+            await index.apply("r1", LLAMA, batch(store(chain)), c + 1)
+        await index.apply("gone", LLAMA, batch(store(chains[-1])), 1)
+        await index.forget("gone", LLAMA)  # a released rid: the free-rid set exists
         await index.claim_partitions(1, "0")  # an elected tracker writes: the fence exists
-        nk = schema.NamespaceKeys(NS)
+        nk = schema.NamespaceKeys(LLAMA)
         named = [nk.seq, nk.rid, nk.rname, nk.ridseq, nk.ridfree, nk.fence("0")]
         # ... and the bucket of chain 0's first block, which the first call evicts
-        first = [*named, nk.block_bucket(block_keys(chains[0], NS)[0])]
+        first = [*named, nk.block_bucket(block_keys(chains[0], LLAMA)[0])]
         with sync_redis(cluster_url) as client:
             slot = client.keyslot(nk.seq)
             source = client.get_node_from_key(nk.seq).port
@@ -210,18 +211,18 @@ async def test_a_live_partition_moved_to_another_master_under_load_loses_nothing
             after += migration.done()
             evict_oldest_store_newest = batch(remove(chains[c - 60], *range(4)), store(chains[c]))
             try:
-                await index.apply("r1", NS, evict_oldest_store_newest, c + 1)
+                await index.apply("r1", LLAMA, evict_oldest_store_newest, c + 1)
             except IndexUnavailableError:
                 refused["apply"] += 1
             c += 1
             assert c < len(chains), "the migration outlasted the workload"
-            keys = block_keys(chains[c - 2], NS)
+            keys = block_keys(chains[c - 2], LLAMA)
             try:
-                await index.lookup(NS, keys)
+                await index.lookup(LLAMA, keys)
             except IndexUnavailableError:
                 refused["lookup"] += 1
             try:  # predictions for another replica, so that r1's own blocks are what is read
-                await index.route(NS, "r2", keys, ttl_s=5, anchors=keys[:1], home_ttl_s=5)
+                await index.route(LLAMA, "r2", keys, ttl_s=5, anchors=keys[:1], home_ttl_s=5)
             except IndexUnavailableError:
                 refused["route"] += 1
         moved = await migration  # no BUSYKEY: nothing was written behind the migration
@@ -229,14 +230,14 @@ async def test_a_live_partition_moved_to_another_master_under_load_loses_nothing
         with sync_redis(cluster_url) as client:
             assert client.get_node_from_key(nk.seq).port == target
         assert refused["apply"] > 0, "the workload never met the migration"
-        await index.apply("r1", NS, batch(), c)  # writes whatever Redis refused meanwhile
+        await index.apply("r1", LLAMA, batch(), c)  # writes whatever Redis refused meanwhile
         for i, chain in enumerate(chains[:c]):
             held = (await matches(index, chain)).get("r1")
             assert held == ((4, 4) if i >= c - 60 else None), (i, c, refused)
-        assert await index.last_seq("r1", NS) == c
+        assert await index.last_seq("r1", LLAMA) == c
         # no call ran halfway: the held-blocks count APPLY keeps is the ledger's
-        residency = (await index.survey(NS, [])).residency["r1"]
-        assert residency.blocks == await index.block_count("r1", NS) == 4 * 60
+        residency = (await index.survey(LLAMA, [])).residency["r1"]
+        assert residency.blocks == await index.block_count("r1", LLAMA) == 4 * 60
     finally:
         await index.close()
 

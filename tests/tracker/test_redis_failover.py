@@ -11,8 +11,9 @@ import pytest
 import redis
 
 from bench.procs import SENTINEL_SERVICE, RedisSentinels
+from tests.factories import LLAMA, batch
 from tests.procs import RedisServer
-from tests.tracker.test_redis_index import NS, OTHER, SEQ, batch, matches, remove, store
+from tests.tracker.test_redis_index import OTHER, SEQ, matches, remove, store
 from tracker.errors import ConfigError, IndexUnavailableError
 from tracker.redis_client import SENTINEL_PORT, SentinelURL, open_redis, parse_sentinel_url
 from tracker.redis_index import RedisIndex
@@ -84,13 +85,13 @@ async def test_redis_back_with_an_older_snapshot_is_reconciled_with_the_ledgers(
     server = RedisServer().start()
     index = RedisIndex.from_url(server.url, timeout_s=0.5)
     try:
-        await index.apply("r1", NS, batch(store(SEQ)), 1)
-        await index.apply("r2", NS, batch(store(OTHER)), 1)
+        await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
+        await index.apply("r2", LLAMA, batch(store(OTHER)), 1)
         assert await index.restore_lost() == 0  # the tracker's periodic check: same server
         with redis.Redis.from_url(server.url) as client:
             client.save()  # the snapshot the server will come back with
-        await index.apply("r1", NS, batch(remove(SEQ, 2, 3)), 2)
-        await index.apply("r3", NS, batch(store(THIRD)), 1)
+        await index.apply("r1", LLAMA, batch(remove(SEQ, 2, 3)), 2)
+        await index.apply("r3", LLAMA, batch(store(THIRD)), 1)
         server.stop()
         server.start()  # same port and directory: it loads the snapshot
         assert await matches(index, SEQ) == {"r1": (4, 4)}  # stale: r1 removed two since
@@ -99,13 +100,13 @@ async def test_redis_back_with_an_older_snapshot_is_reconciled_with_the_ledgers(
         assert await matches(index, SEQ) == {"r1": (2, 2)}
         assert await matches(index, OTHER) == {"r2": (4, 4)}
         assert await matches(index, THIRD) == {"r3": (4, 4)}
-        assert await index.last_seq("r1", NS) == 2
+        assert await index.last_seq("r1", LLAMA) == 2
         assert await index.restore_lost() == 0
         # what a tracker that starts now reads back (the engine maps) agrees too
         fresh = RedisIndex.from_url(server.url)
         try:
-            assert [await fresh.block_count(r, NS) for r in ("r1", "r2", "r3")] == [2, 4, 4]
-            await fresh.apply("r1", NS, batch(remove(SEQ, 1)), 3)
+            assert [await fresh.block_count(r, LLAMA) for r in ("r1", "r2", "r3")] == [2, 4, 4]
+            await fresh.apply("r1", LLAMA, batch(remove(SEQ, 1)), 3)
             assert await matches(fresh, SEQ) == {"r1": (1, 1)}
         finally:
             await fresh.close()
@@ -148,7 +149,7 @@ async def test_sentinel_url_follows_a_failover_and_the_index_is_exact_after(
 ) -> None:
     index = RedisIndex.from_url(sentinels.url, timeout_s=0.5)
     try:
-        await index.apply("r1", NS, batch(store(SEQ)), 1)
+        await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
         assert await index.restore_lost() == 0
         first = await index.server_id()
         sentinels.wait_replicated()
@@ -157,7 +158,7 @@ async def test_sentinel_url_follows_a_failover_and_the_index_is_exact_after(
         sentinels.primary.stop()  # SIGKILL
         # writes fail while no primary is elected, stay pending, and land on the new one
         took = await _until_written(
-            index, lambda: index.apply("r1", NS, batch(remove(SEQ, 3), store(OTHER)), 2), 30
+            index, lambda: index.apply("r1", LLAMA, batch(remove(SEQ, 3), store(OTHER)), 2), 30
         )
         assert sentinels.wait_failover(old) == sentinels.replica.port
         assert took < 30
@@ -165,7 +166,7 @@ async def test_sentinel_url_follows_a_failover_and_the_index_is_exact_after(
         await index.restore_lost()  # reconciles whatever the replica had not received
         assert await matches(index, SEQ) == {"r1": (3, 3)}
         assert await matches(index, OTHER) == {"r1": (4, 4)}
-        assert await index.last_seq("r1", NS) == 2
+        assert await index.last_seq("r1", LLAMA) == 2
         with redis.Redis(port=sentinels.replica.port) as promoted:
             assert promoted.info("replication")["role"] == "master"
     finally:

@@ -16,38 +16,38 @@ from typing import Any
 import pytest
 import redis
 
+from tests.factories import LLAMA, batch
 from tests.procs import RedisServer, free_port
 from tracker import keys as schema
 from tracker import lua
 from tracker.blocks import Namespace, block_keys
 from tracker.errors import ConfigError, IndexUnavailableError
-from tracker.events import BlockRemoved, BlockStored, Event, EventBatch
+from tracker.events import BlockRemoved, BlockStored
 from tracker.index import ReplicaRecord
 from tracker.redis_index import OPS_PER_CALL, RedisIndex
 
-NS = Namespace("llama", 4)
 SEQ = list(range(1000, 1016))  # 4 blocks
 OTHER = list(range(2000, 2016))
 
 
 def engine_hashes(tokens: list[int]) -> list[int]:
     """Stand-ins for vLLM's chained block hashes (another chain than the index keys)."""
-    return block_keys(tokens, Namespace("engine", NS.block_size))
+    return block_keys(tokens, Namespace("engine", LLAMA.block_size))
 
 
 def engine_hash(tokens: list[int], block: int) -> int:
-    return engine_hashes(tokens[: (block + 1) * NS.block_size])[block]
+    return engine_hashes(tokens[: (block + 1) * LLAMA.block_size])[block]
 
 
 def store(tokens: list[int], blocks: range | None = None) -> BlockStored:
-    blocks = blocks if blocks is not None else range(len(tokens) // NS.block_size)
-    hashes = engine_hashes(tokens[: blocks.stop * NS.block_size])
+    blocks = blocks if blocks is not None else range(len(tokens) // LLAMA.block_size)
+    hashes = engine_hashes(tokens[: blocks.stop * LLAMA.block_size])
     parent = hashes[blocks.start - 1] if blocks.start else None
     return BlockStored(
         hashes[blocks.start : blocks.stop],
         parent,
-        tokens[blocks.start * NS.block_size : blocks.stop * NS.block_size],
-        NS.block_size,
+        tokens[blocks.start * LLAMA.block_size : blocks.stop * LLAMA.block_size],
+        LLAMA.block_size,
         medium="GPU",
     )
 
@@ -60,12 +60,8 @@ def remove(tokens: list[int], *blocks: int, medium: str = "GPU") -> BlockRemoved
     return BlockRemoved([engine_hash(tokens, b) for b in blocks], medium)
 
 
-def batch(*events: Event) -> EventBatch:
-    return EventBatch(1700000000.0, list(events), 0)
-
-
 async def matches(index: RedisIndex, tokens: list[int]) -> dict[str, tuple[int, int]]:
-    found = await index.lookup(NS, block_keys(tokens, NS))
+    found = await index.lookup(LLAMA, block_keys(tokens, LLAMA))
     return {r: (m.blocks, m.gpu_blocks) for r, m in found.items()}
 
 
@@ -102,23 +98,23 @@ async def test_bucket_entries_hold_each_replicas_rid_and_tiers(
     key prefix says so), as ``tracker.keys.bucket_entries`` reads it; a restored engine map
     keeps every tier's references."""
     index = index_factory()
-    await index.apply("r1", NS, batch(store(SEQ), offload(SEQ, 0)), 1)
-    await index.apply("r2", NS, batch(store(SEQ)), 1)
-    await index.apply("r2", NS, batch(remove(SEQ, 0)), 2)
-    nk = schema.NamespaceKeys(NS)
+    await index.apply("r1", LLAMA, batch(store(SEQ), offload(SEQ, 0)), 1)
+    await index.apply("r2", LLAMA, batch(store(SEQ)), 1)
+    await index.apply("r2", LLAMA, batch(remove(SEQ, 0)), 2)
+    nk = schema.NamespaceKeys(LLAMA)
     assert nk.block_prefix.startswith(f"{schema.PARTITION_PREFIX}:{{")
-    first = block_keys(SEQ, NS)[0]
+    first = block_keys(SEQ, LLAMA)[0]
     with redis.Redis.from_url(redis_url) as client:
         value = client.hget(nk.block_bucket(first), schema.field(first))
-    rids = {await index.rid(r, NS): r for r in ("r1", "r2")}
+    rids = {await index.rid(r, LLAMA): r for r in ("r1", "r2")}
     assert {rids[rid]: tiers for rid, tiers in schema.bucket_entries(value)} == {"r1": 0b11}
-    rid1 = await index.rid("r1", NS)
+    rid1 = await index.rid("r1", LLAMA)
     with redis.Redis.from_url(redis_url) as client:  # a value of another layout (12 bytes)
         client.hset(nk.engine_bucket(rid1, 7), schema.field(7), bytes(12))
     restarted = index_factory()
-    await restarted.apply("r1", NS, batch(remove(SEQ, 0)), 2)  # its ledger restored first
+    await restarted.apply("r1", LLAMA, batch(remove(SEQ, 0)), 2)  # its ledger restored first
     assert await matches(restarted, SEQ) == {"r1": (4, 3)}  # r2 lost block 0: no run
-    assert await restarted.block_count("r1", NS) == 4  # the foreign entry was skipped
+    assert await restarted.block_count("r1", LLAMA) == 4  # the foreign entry was skipped
 
 
 # ------------------------------------------------------------------ tracker restart
@@ -126,41 +122,41 @@ async def test_bucket_entries_hold_each_replicas_rid_and_tiers(
 
 async def test_restart_restores_ledger_from_engine_map(index_factory: Any) -> None:
     first = index_factory()
-    await first.apply("r1", NS, batch(store(SEQ), store(SEQ, range(2))), 7)  # blocks 0-1 twice
-    await first.apply("r1", NS, batch(offload(SEQ, 3)), 8)
-    await first.apply("r2", NS, batch(store(OTHER)), 3)
+    await first.apply("r1", LLAMA, batch(store(SEQ), store(SEQ, range(2))), 7)  # blocks 0-1 twice
+    await first.apply("r1", LLAMA, batch(offload(SEQ, 3)), 8)
+    await first.apply("r2", LLAMA, batch(store(OTHER)), 3)
     await first.close()
 
     second = index_factory()
-    assert await second.block_count("r1", NS) == 4
-    assert await second.last_seq("r1", NS) == 8
+    assert await second.block_count("r1", LLAMA) == 4
+    assert await second.last_seq("r1", LLAMA) == 8
     assert await matches(second, SEQ) == {"r1": (4, 4)}
     # Ref counts survived the restart: blocks 0-1 need two removals each.
-    await second.apply("r1", NS, batch(remove(SEQ, 0, 3)), 9)
+    await second.apply("r1", LLAMA, batch(remove(SEQ, 0, 3)), 9)
     assert await matches(second, SEQ) == {"r1": (4, 3)}
-    await second.apply("r1", NS, batch(remove(SEQ, 0)), 10)
+    await second.apply("r1", LLAMA, batch(remove(SEQ, 0)), 10)
     assert await matches(second, SEQ) == {}
-    await second.apply("r1", NS, batch(remove(SEQ, 3, medium="CPU")), 11)
-    assert await second.block_count("r1", NS) == 2  # blocks 1 and 2
+    await second.apply("r1", LLAMA, batch(remove(SEQ, 3, medium="CPU")), 11)
+    assert await second.block_count("r1", LLAMA) == 2  # blocks 1 and 2
     # New blocks chain onto restored ones.
-    await second.apply("r2", NS, batch(remove(OTHER, 3), store(OTHER, range(3, 4))), 4)
+    await second.apply("r2", LLAMA, batch(remove(OTHER, 3), store(OTHER, range(3, 4))), 4)
     assert await matches(second, OTHER) == {"r2": (4, 4)}
     third = index_factory()
-    assert await third.block_count("r1", NS) == 2
-    assert await third.block_count("r2", NS) == 4
-    assert await third.last_seq("r1", NS) == 11
+    assert await third.block_count("r1", LLAMA) == 2
+    assert await third.block_count("r2", LLAMA) == 4
+    assert await third.last_seq("r1", LLAMA) == 11
 
 
 async def test_restart_after_clear_and_forget_restores_nothing(index_factory: Any) -> None:
     first = index_factory()
-    await first.apply("r1", NS, batch(store(SEQ)), 1)
-    await first.apply("r2", NS, batch(store(SEQ)), 1)
-    await first.clear("r1", NS)
-    await first.forget("r2", NS)
+    await first.apply("r1", LLAMA, batch(store(SEQ)), 1)
+    await first.apply("r2", LLAMA, batch(store(SEQ)), 1)
+    await first.clear("r1", LLAMA)
+    await first.forget("r2", LLAMA)
     second = index_factory()
-    assert await second.block_count("r1", NS) == 0
-    assert await second.block_count("r2", NS) == 0
-    assert await second.last_seq("r1", NS) is None
+    assert await second.block_count("r1", LLAMA) == 0
+    assert await second.block_count("r2", LLAMA) == 0
+    assert await second.last_seq("r1", LLAMA) is None
     assert await matches(second, SEQ) == {}
 
 
@@ -170,17 +166,17 @@ async def test_restart_after_clear_and_forget_restores_nothing(index_factory: An
 async def test_pending_writes_survive_a_paused_redis(own_server: RedisServer) -> None:
     index = RedisIndex.from_url(own_server.url, timeout_s=0.3)
     try:
-        await index.apply("r1", NS, batch(store(SEQ, range(2)), store(OTHER, range(1))), 1)
+        await index.apply("r1", LLAMA, batch(store(SEQ, range(2)), store(OTHER, range(1))), 1)
         assert own_server.proc is not None
         os.kill(own_server.proc.pid, signal.SIGSTOP)
         try:
             with pytest.raises(IndexUnavailableError):
-                await index.apply("r1", NS, batch(store(SEQ, range(2, 4))), 2)
+                await index.apply("r1", LLAMA, batch(store(SEQ, range(2, 4))), 2)
             with pytest.raises(IndexUnavailableError):
-                await index.apply("r1", NS, batch(store(OTHER, range(1, 4))), 3)
+                await index.apply("r1", LLAMA, batch(store(OTHER, range(1, 4))), 3)
             with pytest.raises(IndexUnavailableError):
-                await index.apply("r1", NS, batch(remove(OTHER, 3)), 4)
-            assert await index.last_seq("r1", NS) == 4  # answered from the pending write
+                await index.apply("r1", LLAMA, batch(remove(OTHER, 3)), 4)
+            assert await index.last_seq("r1", LLAMA) == 4  # answered from the pending write
             assert await index.flush() == 1
         finally:
             os.kill(own_server.proc.pid, signal.SIGCONT)
@@ -193,8 +189,8 @@ async def test_pending_writes_survive_a_paused_redis(own_server: RedisServer) ->
         try:
             assert await matches(fresh, SEQ) == {"r1": (4, 4)}
             assert await matches(fresh, OTHER) == {"r1": (3, 3)}
-            assert await fresh.last_seq("r1", NS) == 4
-            assert await fresh.block_count("r1", NS) == 7
+            assert await fresh.last_seq("r1", LLAMA) == 4
+            assert await fresh.block_count("r1", LLAMA) == 7
         finally:
             await fresh.close()
     finally:
@@ -204,29 +200,29 @@ async def test_pending_writes_survive_a_paused_redis(own_server: RedisServer) ->
 async def test_redis_restarted_empty_gets_the_whole_state_back(own_server: RedisServer) -> None:
     index = RedisIndex.from_url(own_server.url, timeout_s=0.5)
     try:
-        await index.apply("r1", NS, batch(store(SEQ, range(2))), 1)
-        await index.apply("r2", NS, batch(store(OTHER)), 1)
+        await index.apply("r1", LLAMA, batch(store(SEQ, range(2))), 1)
+        await index.apply("r2", LLAMA, batch(store(OTHER)), 1)
         own_server.stop()
         with pytest.raises(IndexUnavailableError):
-            await index.apply("r1", NS, batch(store(SEQ, range(2, 4))), 2)
+            await index.apply("r1", LLAMA, batch(store(SEQ, range(2, 4))), 2)
         assert await index.flush() == 1
         own_server.start()  # same port, no data
         assert await index.flush() == 0
         # r1 had a pending write: Redis lost its id, so its whole state was written again.
         assert await matches(index, SEQ) == {"r1": (4, 4)}
-        assert await index.last_seq("r1", NS) == 2
+        assert await index.last_seq("r1", LLAMA) == 2
         # r2 was idle: nothing wrote it back yet; the tracker's periodic check does.
         assert await matches(index, OTHER) == {}
         assert await index.restore_lost() == 1
         assert await matches(index, OTHER) == {"r2": (4, 4)}
-        assert await index.last_seq("r2", NS) == 1
+        assert await index.last_seq("r2", LLAMA) == 1
         assert await index.restore_lost() == 0  # nothing lost any more
-        await index.apply("r2", NS, batch(), 2)
+        await index.apply("r2", LLAMA, batch(), 2)
         assert await matches(index, OTHER) == {"r2": (4, 4)}
         restarted = RedisIndex.from_url(own_server.url)
         try:
-            assert await restarted.block_count("r1", NS) == 4
-            assert await restarted.block_count("r2", NS) == 4
+            assert await restarted.block_count("r1", LLAMA) == 4
+            assert await restarted.block_count("r2", LLAMA) == 4
         finally:
             await restarted.close()
     finally:
@@ -237,18 +233,18 @@ async def test_rid_taken_after_data_loss_is_reallocated(own_server: RedisServer)
     index = RedisIndex.from_url(own_server.url, timeout_s=0.5)
     other = RedisIndex.from_url(own_server.url, timeout_s=0.5)
     try:
-        await index.apply("r1", NS, batch(store(SEQ)), 1)
-        old_rid = await index.rid("r1", NS)
+        await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
+        old_rid = await index.rid("r1", LLAMA)
         own_server.stop()
         own_server.start()
         # Another tracker registers a new replica first and is handed r1's old id.
-        await other.apply("r3", NS, batch(store(OTHER)), 1)
-        assert await other.rid("r3", NS) == old_rid
-        await index.apply("r1", NS, batch(store(SEQ, range(1))), 2)
-        assert await index.rid("r1", NS) != old_rid
+        await other.apply("r3", LLAMA, batch(store(OTHER)), 1)
+        assert await other.rid("r3", LLAMA) == old_rid
+        await index.apply("r1", LLAMA, batch(store(SEQ, range(1))), 2)
+        assert await index.rid("r1", LLAMA) != old_rid
         assert await matches(index, SEQ) == {"r1": (4, 4)}
         assert await matches(index, OTHER) == {"r3": (4, 4)}
-        assert await index.last_seq("r1", NS) == 2
+        assert await index.last_seq("r1", LLAMA) == 2
     finally:
         await index.close()
         await other.close()
@@ -258,9 +254,9 @@ async def test_unreachable_redis_raises_index_unavailable() -> None:
     index = RedisIndex.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.3)
     try:
         with pytest.raises(IndexUnavailableError):
-            await index.apply("r1", NS, batch(store(SEQ)), 1)
+            await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
         with pytest.raises(IndexUnavailableError):
-            await index.lookup(NS, block_keys(SEQ, NS))
+            await index.lookup(LLAMA, block_keys(SEQ, LLAMA))
         with pytest.raises(IndexUnavailableError):
             await index.register(ReplicaRecord(id="r1", model="llama", block_size=4))
         with pytest.raises(IndexUnavailableError):
@@ -277,18 +273,18 @@ async def test_failed_multi_call_write_leaks_no_connection(own_server: RedisServ
     index = RedisIndex.from_url(own_server.url, timeout_s=0.5)
     tokens = list(range(4 * (OPS_PER_CALL + 10)))
     try:
-        await index.apply("r1", NS, batch(store(SEQ)), 1)
+        await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
         own_server.stop()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(3):
                 with pytest.raises(IndexUnavailableError):
-                    await index.apply("r1", NS, batch(store(tokens)), 2)
+                    await index.apply("r1", LLAMA, batch(store(tokens)), 2)
             gc.collect()
         assert not [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
         own_server.start()
         assert await index.flush() == 0
-        found = await index.lookup(NS, block_keys(tokens, NS))
+        found = await index.lookup(LLAMA, block_keys(tokens, LLAMA))
         assert found["r1"].blocks == OPS_PER_CALL + 10
     finally:
         await index.close()
@@ -386,23 +382,23 @@ def cluster_url(cluster_server: RedisServer) -> str:
 async def exercise(index: RedisIndex) -> None:
     """Every index operation, including multi-call writes and a restore."""
     big = list(range(4 * (OPS_PER_CALL + 1)))
-    await index.apply("r1", NS, batch(store(SEQ), offload(SEQ, 0)), 1)
-    await index.apply("r2", NS, batch(store(big)), 1)
-    await index.apply("r1", NS, batch(remove(SEQ, 3)), 2)
+    await index.apply("r1", LLAMA, batch(store(SEQ), offload(SEQ, 0)), 1)
+    await index.apply("r2", LLAMA, batch(store(big)), 1)
+    await index.apply("r1", LLAMA, batch(remove(SEQ, 3)), 2)
     assert await matches(index, SEQ) == {"r1": (3, 3)}
-    assert (await index.lookup(NS, block_keys(big, NS)))["r2"].blocks == OPS_PER_CALL + 1
-    assert await index.last_seq("r1", NS) == 2
+    assert (await index.lookup(LLAMA, block_keys(big, LLAMA)))["r2"].blocks == OPS_PER_CALL + 1
+    assert await index.last_seq("r1", LLAMA) == 2
     await index.register(ReplicaRecord(id="r1", model="llama", block_size=4, ttl_s=0.01))
     assert [r.id for r in await index.replicas()] == ["r1"]
     await asyncio.sleep(0.05)
     assert [r.id for r in await index.reap()] == ["r1"]
     await index.register(ReplicaRecord(id="r2", model="llama", block_size=4))
     await index.deregister("r2")
-    await index.clear("r2", NS)
-    await index.forget("r1", NS)
-    await index.apply("r3", NS, batch(store(OTHER)), 1)
+    await index.clear("r2", LLAMA)
+    await index.forget("r1", LLAMA)
+    await index.apply("r3", LLAMA, batch(store(OTHER)), 1)
     restored = RedisIndex(index.client)
-    assert await restored.block_count("r3", NS) == 4
+    assert await restored.block_count("r3", LLAMA) == 4
 
 
 async def test_every_operation_works_on_redis_cluster(cluster_url: str) -> None:
@@ -441,7 +437,7 @@ async def test_each_script_call_stays_in_one_slot(
             tags = {hash_tag(key) for key in touched | set(declared)}
             assert len(tags) == 1, (by_sha[sha], touched)
             if by_sha[sha] in ("APPLY", "LOOKUP", "RID", "RELEASE_RID"):
-                assert tags == {schema.nsid(NS)}
+                assert tags == {schema.nsid(LLAMA)}
             else:
                 assert tags == {"replicas"}
         apply_keys = set().union(*(t for s, _, t in calls if by_sha[s] == "APPLY"))
@@ -458,11 +454,11 @@ def test_hash_tag_rule(key: str, tag: str) -> None:
 
 
 def test_schema_keys_of_a_namespace_share_its_tag() -> None:
-    nk = schema.NamespaceKeys(NS)
+    nk = schema.NamespaceKeys(LLAMA)
     names = [nk.rid, nk.rname, nk.ridseq, nk.ridfree, nk.seq, nk.load]
     names += [nk.block_bucket(0), nk.block_bucket((1 << 64) - 1), nk.prediction_bucket(5)]
     names += [*nk.engine_buckets(16383)[:3], nk.engine_bucket(7, (1 << 64) - 1)]
-    assert {hash_tag(n) for n in names} == {schema.nsid(NS)}
+    assert {hash_tag(n) for n in names} == {schema.nsid(LLAMA)}
     assert hash_tag(schema.REPLICAS) == hash_tag(schema.REPLICAS_SEEN)
     assert schema.NamespaceKeys(Namespace("llama", 4, "lora")).tag == nk.tag
     assert schema.NamespaceKeys(Namespace("llama", 8)).tag != nk.tag
@@ -473,15 +469,15 @@ async def test_claims_sweep_expired_homes_from_a_bucket_kept_alive(
 ) -> None:
     """A bucket written without pause never expires: claims drop its expired records."""
     index = index_factory()
-    nk = schema.NamespaceKeys(NS)
+    nk = schema.NamespaceKeys(LLAMA)
     stale = [(9 << 50) | i for i in range(1, 6)]
-    await index.claim(NS, "a", stale, ttl_s=0.2)
+    await index.claim(LLAMA, "a", stale, ttl_s=0.2)
     bucket = nk.home_bucket(stale[0])
     assert {nk.home_bucket(k) for k in stale} == {bucket}
-    await index.claim(NS, "b", [(9 << 50) | 99], ttl_s=5)
+    await index.claim(LLAMA, "b", [(9 << 50) | 99], ttl_s=5)
     assert await index.client.hlen(bucket) == 6
     await asyncio.sleep(0.3)
-    await index.claim(NS, "b", [(9 << 50) | 99], ttl_s=5)
+    await index.claim(LLAMA, "b", [(9 << 50) | 99], ttl_s=5)
     assert await index.client.hlen(bucket) == 1
     assert await index.client.pttl(bucket) > 1000
 
@@ -491,49 +487,49 @@ async def test_claims_sweep_expired_homes_from_a_bucket_kept_alive(
 
 async def test_rid_is_reused_after_forget(index_factory: Any, redis_url: str) -> None:
     index = index_factory()
-    await index.apply("r1", NS, batch(store(SEQ)), 1)
-    await index.apply("r2", NS, batch(store(OTHER)), 1)
-    rid1 = await index.rid("r1", NS)
-    assert await index.forget("r1", NS) == 4
+    await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
+    await index.apply("r2", LLAMA, batch(store(OTHER)), 1)
+    rid1 = await index.rid("r1", LLAMA)
+    assert await index.forget("r1", LLAMA) == 4
     assert await matches(index, SEQ) == {}
-    assert await index.last_seq("r1", NS) is None
-    await index.apply("r3", NS, batch(store(SEQ, range(2))), 1)
-    assert await index.rid("r3", NS) == rid1
+    assert await index.last_seq("r1", LLAMA) is None
+    await index.apply("r3", LLAMA, batch(store(SEQ, range(2))), 1)
+    assert await index.rid("r3", LLAMA) == rid1
     assert await matches(index, SEQ) == {"r3": (2, 2)}
     assert await matches(index, OTHER) == {"r2": (4, 4)}
     # The departed replica comes back under a new id, with an empty ledger.
-    await index.apply("r1", NS, batch(store(SEQ, range(1))), 5)
-    assert await index.rid("r1", NS) not in (rid1, await index.rid("r2", NS))
+    await index.apply("r1", LLAMA, batch(store(SEQ, range(1))), 5)
+    assert await index.rid("r1", LLAMA) not in (rid1, await index.rid("r2", LLAMA))
     assert await matches(index, SEQ) == {"r3": (2, 2), "r1": (1, 1)}
     # A restarted tracker restores exactly what each id holds now.
     restarted = index_factory()
-    assert await restarted.block_count("r3", NS) == 2
-    assert await restarted.block_count("r1", NS) == 1
-    assert await restarted.block_count("r2", NS) == 4
+    assert await restarted.block_count("r3", LLAMA) == 2
+    assert await restarted.block_count("r1", LLAMA) == 1
+    assert await restarted.block_count("r2", LLAMA) == 4
 
 
 async def test_predictions_never_land_on_the_new_owner_of_a_reused_rid(
     index_factory: Any,
 ) -> None:
     tracker, router = index_factory(), index_factory()
-    await tracker.apply("r1", NS, batch(store(SEQ, range(1))), 1)
-    stale = await router.rid("r1", NS)  # the router caches r1's rid
-    await tracker.forget("r1", NS)
-    await tracker.apply("r2", NS, batch(store(OTHER)), 1)
-    assert await tracker.rid("r2", NS) == stale  # r2 now owns r1's old rid
-    await router.predict(NS, "r1", block_keys(SEQ, NS), ttl_s=5)
-    found = await router.lookup(NS, block_keys(SEQ, NS))
+    await tracker.apply("r1", LLAMA, batch(store(SEQ, range(1))), 1)
+    stale = await router.rid("r1", LLAMA)  # the router caches r1's rid
+    await tracker.forget("r1", LLAMA)
+    await tracker.apply("r2", LLAMA, batch(store(OTHER)), 1)
+    assert await tracker.rid("r2", LLAMA) == stale  # r2 now owns r1's old rid
+    await router.predict(LLAMA, "r1", block_keys(SEQ, LLAMA), ttl_s=5)
+    found = await router.lookup(LLAMA, block_keys(SEQ, LLAMA))
     assert {r: m.predicted_blocks for r, m in found.items()} == {"r1": 4}
 
 
 async def test_rids_are_per_namespace(index_factory: Any) -> None:
     index = index_factory()
     other = Namespace("mistral", 4)
-    assert await index.rid("a", NS) == 1
-    assert await index.rid("b", NS) == 2
+    assert await index.rid("a", LLAMA) == 1
+    assert await index.rid("b", LLAMA) == 2
     assert await index.rid("b", other) == 1
-    assert await index.rid("a", NS) == 1
-    assert await index_factory().rid("b", NS) == 2
+    assert await index.rid("a", LLAMA) == 1
+    assert await index_factory().rid("b", LLAMA) == 2
 
 
 # ------------------------------------------------------------------ memory
@@ -546,22 +542,22 @@ async def _used_memory(client: redis.asyncio.Redis) -> int:
 async def test_memory_per_block_and_replica(index_factory: Any, redis_url: str) -> None:
     """Sanity bound, not a benchmark: bench/index_bench.py measures the real figure."""
     blocks = 10_000
-    tokens = [(i * 7919) % 50_000 for i in range(blocks * NS.block_size)]
+    tokens = [(i * 7919) % 50_000 for i in range(blocks * LLAMA.block_size)]
     index = index_factory()
     hashes = list(range(1 << 40, (1 << 40) + blocks))
-    event = BlockStored(hashes, None, tokens, NS.block_size, medium="GPU")
-    await index.apply("warm-up", NS, batch(store(SEQ)), 0)
+    event = BlockStored(hashes, None, tokens, LLAMA.block_size, medium="GPU")
+    await index.apply("warm-up", LLAMA, batch(store(SEQ)), 0)
     client = redis.asyncio.Redis.from_url(redis_url)
     try:
         before = await _used_memory(client)
-        await index.apply("r0", NS, batch(event), 1)
+        await index.apply("r0", LLAMA, batch(event), 1)
         first = (await _used_memory(client) - before) / blocks
         for r in range(1, 4):
-            await index.apply(f"r{r}", NS, batch(event), 1)
+            await index.apply(f"r{r}", LLAMA, batch(event), 1)
         per_pair = (await _used_memory(client) - before) / (4 * blocks)
     finally:
         await client.aclose()
-    found = await index.lookup(NS, block_keys(tokens, NS))
+    found = await index.lookup(LLAMA, block_keys(tokens, LLAMA))
     assert {r: m.blocks for r, m in found.items()} == {f"r{r}": blocks for r in range(4)}
     # A fleet shares its blocks: amortized over 4 replicas a (block, replica) costs < 100 B.
     assert per_pair < 100, per_pair

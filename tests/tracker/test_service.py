@@ -15,12 +15,12 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.factories import SMALL
 from tests.procs import free_port
 from tests.tracker.publisher import EventPublisher
 from tests.tracker.test_subscriber import (
     A_TOKENS,
     ANY,
-    NS,
     ROOTS,
     block_a,
     held,
@@ -34,13 +34,6 @@ from tracker.index import BlockIndex, MemoryIndex, ReplicaRecord
 from tracker.redis_index import RedisIndex
 from tracker.service import TrackerService, static_targets
 from tracker.streams import ReplicaTarget
-
-
-@pytest.fixture
-async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture
@@ -80,8 +73,8 @@ async def _empty(placements: Awaitable[dict[str, int]]) -> bool:
 def record(pub: EventPublisher, **fields: Any) -> ReplicaRecord:
     values: dict[str, Any] = {
         "id": "r9",
-        "model": "m",
-        "block_size": 4,
+        "model": SMALL.model,
+        "block_size": SMALL.block_size,
         "events": pub.endpoint,
         "instance": "a",
         "ttl_s": 30.0,
@@ -98,7 +91,7 @@ def test_static_targets_take_namespace_from_spec_or_settings() -> None:
         ),
     )
     assert static_targets(config) == [
-        ReplicaTarget("r1", NS, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),
+        ReplicaTarget("r1", SMALL, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),
         ReplicaTarget("r2", Namespace("x", 8), "tcp://h:1"),
     ]
 
@@ -259,9 +252,8 @@ async def test_run_returns_zero_when_stopped() -> None:
         assert await task == 0
 
 
-async def test_run_returns_one_when_startup_fails() -> None:
-    context = zmq.asyncio.Context()
-    taken = context.socket(zmq.PUB)
+async def test_run_returns_one_when_startup_fails(zctx: zmq.asyncio.Context) -> None:
+    taken = zctx.socket(zmq.PUB)
     try:
         taken.bind("tcp://127.0.0.1:*")
         endpoint = taken.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -270,7 +262,6 @@ async def test_run_returns_one_when_startup_fails() -> None:
             assert await service.run() == 1
     finally:
         taken.close(linger=0)
-        context.destroy(linger=0)
 
 
 @pytest.fixture

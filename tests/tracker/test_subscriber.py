@@ -13,8 +13,9 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from tests.factories import SMALL, removed, stored
 from tests.procs import RedisServer
-from tests.tracker.publisher import EventPublisher, removed, stored
+from tests.tracker.publisher import EventPublisher
 from tracker.blocks import Namespace, block_keys
 from tracker.config import TrackerSettings
 from tracker.errors import DecodeError
@@ -25,7 +26,6 @@ from tracker.redis_index import RedisIndex
 from tracker.streams import ReplicaStream, ReplicaTarget
 from tracker.subscriber import Subscriber, parse_topic
 
-NS = Namespace("m", 4)
 ANY = "tcp://127.0.0.1:*"
 
 # A chain: A = two blocks, B extends A, C extends B; D, E, F are unrelated roots.
@@ -54,8 +54,8 @@ def root(name: str) -> Any:
 
 def settings(**overrides: Any) -> TrackerSettings:
     values: dict[str, Any] = {
-        "model": "m",
-        "block_size": 4,
+        "model": SMALL.model,
+        "block_size": SMALL.block_size,
         "http_port": 0,
         "replay_timeout_s": 0.5,
         "resync_cooldown_s": 0.2,
@@ -78,7 +78,9 @@ async def wait_until(predicate: Callable[[], Any], timeout_s: float = 5.0, what:
         await asyncio.sleep(0.01)
 
 
-async def held(index: BlockIndex, tokens: list[int], namespace: Namespace = NS) -> dict[str, int]:
+async def held(
+    index: BlockIndex, tokens: list[int], namespace: Namespace = SMALL
+) -> dict[str, int]:
     matches = await index.lookup(namespace, block_keys(tokens, namespace))
     return {replica: match.blocks for replica, match in matches.items()}
 
@@ -98,7 +100,7 @@ class Tracker:
 
     async def track(self, replica: str, publisher: EventPublisher) -> ReplicaStream:
         stream = self.subscriber.track(
-            ReplicaTarget(replica, NS, publisher.endpoint, publisher.replay_endpoint)
+            ReplicaTarget(replica, SMALL, publisher.endpoint, publisher.replay_endpoint)
         )
         await wait_until(lambda: stream.primed, what="stream primed")
         await publisher.wait_subscribed()
@@ -109,13 +111,6 @@ class Tracker:
 
 
 TrackerFactory = Callable[..., Awaitable[Tracker]]
-
-
-@pytest.fixture
-async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture
@@ -155,14 +150,14 @@ async def test_in_order_batches_are_applied(make_tracker: Any, make_publisher: A
     stream = await tracker.track("r1", pub)
     await pub.publish(block_a())
     await pub.publish(block_b(), root("D"))
-    await pub.publish(removed([B_HASH]))
+    await pub.publish(removed(B_HASH))
     await pub.publish(block_c())  # parent B was removed: an orphan
     await pub.publish(AllBlocksCleared(), root("E"))
     await wait_until(lambda: stream.last == 4, what="seq 4 applied")
 
     assert await held(tracker.index, A_TOKENS) == {}
     assert await held(tracker.index, ROOTS["E"][0]) == {"r1": 1}
-    assert await tracker.index.last_seq("r1", NS) == 4
+    assert await tracker.index.last_seq("r1", SMALL) == 4
     assert tracker.value("kvrouter_tracker_events_total", type="BlockStored") == 5
     assert tracker.value("kvrouter_tracker_events_total", type="BlockRemoved") == 1
     assert tracker.value("kvrouter_tracker_events_total", type="AllBlocksCleared") == 1
@@ -192,12 +187,12 @@ async def test_lookahead_hashing_is_indexed_and_shown(
     await pub.publish(event)
     await wait_until(lambda: stream.last == 0, what="seq 0 applied")
     prompt = [*A_TOKENS, 50, 51]
-    matches = await tracker.index.lookup(NS, block_keys(prompt, NS, lookahead=2))
+    matches = await tracker.index.lookup(SMALL, block_keys(prompt, SMALL, lookahead=2))
     assert {r: m.blocks for r, m in matches.items()} == {"r1": 2}
     assert await held(tracker.index, A_TOKENS) == {}  # keys without lookahead: nothing
     assert stream.status()["lookahead_tokens"] == 2
     # the routers learn it from the index (router.placement)
-    assert (await tracker.index.survey(NS, [])).lookahead == {"r1": 2}
+    assert (await tracker.index.survey(SMALL, [])).lookahead == {"r1": 2}
 
 
 async def test_a_silent_live_stream_is_noticed_and_polled(
@@ -372,7 +367,7 @@ async def test_malformed_input_is_counted_and_skipped(
 
     assert await held(tracker.index, A_TOKENS) == {"r1": 2}
     assert await held(tracker.index, ROOTS["D"][0]) == {"r1": 1}
-    assert await tracker.index.last_seq("r1", NS) == 4
+    assert await tracker.index.last_seq("r1", SMALL) == 4
     errors = {
         reason: tracker.value("kvrouter_tracker_decode_errors_total", reason=reason)
         for reason in ("bad_frames", "msgpack", "bad_batch", "bad_event")
@@ -482,7 +477,7 @@ async def test_restarted_tracker_catches_up_from_redis_checkpoint(
 
     index = RedisIndex.from_url(redis_url)
     try:
-        assert await index.last_seq("r1", NS) == 1
+        assert await index.last_seq("r1", SMALL) == 1
         second = await make_tracker(index)
         stream = await second.track("r1", pub)  # catches up without any live message
         assert stream.last == 3
@@ -494,7 +489,7 @@ async def test_restarted_tracker_catches_up_from_redis_checkpoint(
 
         await pub.publish(root("E"))  # and the live stream continues from there
         await wait_until(lambda: stream.last == 4)
-        assert await index.last_seq("r1", NS) == 4
+        assert await index.last_seq("r1", SMALL) == 4
     finally:
         await second.subscriber.stop(2.0)
         await index.close()
@@ -523,7 +518,7 @@ async def test_redis_outage_keeps_events_pending(
         await wait_until(lambda: not tracker.subscriber.index_down, what="pending flushed")
         assert await held(index, A_TOKENS + B_TOKENS) == {"r1": 3}
         assert await held(index, ROOTS["D"][0]) == {"r1": 1}
-        assert await index.last_seq("r1", NS) == 2
+        assert await index.last_seq("r1", SMALL) == 2
     finally:
         await tracker.subscriber.stop(2.0)
         await index.close()

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import free_port
+from tests.procs import KVROUTER, free_port, kvrouter_env
 from tests.tracker.publisher import EventPublisher
 from tests.tracker.test_subscriber import (
     A_TOKENS,
@@ -38,11 +36,6 @@ from tests.tracker.test_subscriber import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-KVROUTER = Path(sys.executable).parent / "kvrouter"
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
 
 
 class TrackerProcess:
@@ -53,7 +46,7 @@ class TrackerProcess:
             [str(KVROUTER), "tracker", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=_env(),
+            env=kvrouter_env(),
         )
 
     def log(self) -> str:
@@ -64,13 +57,6 @@ class TrackerProcess:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self._log.close()
-
-
-@pytest.fixture
-async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture
@@ -111,7 +97,7 @@ async def lookup(redis_url: str, tokens: list[int]) -> dict[str, Any]:
         ",".join(map(str, tokens)),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=_env(),
+        env=kvrouter_env(),
     )
     out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
