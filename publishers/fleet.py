@@ -26,11 +26,12 @@ from publishers.registration import RegistrationService
 from publishers.server import create_app
 from publishers.zmq import ZmqEventPublisher, binds
 from tracker.backends import open_index
+from tracker.chat import load_chat_template
 from tracker.errors import ConfigError
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, ReplicaRecord
 from tracker.lifecycle import run_on_loop
-from tracker.tokens import Tokenizer, load_chat_template
+from tracker.tokens import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from publishers.engine import GenerationRequest, RequestStream, SimulatedEngine
 from publishers.metrics import ServerMetrics
 from publishers.protocol import Head, RequestError
 from publishers.serving import RequestIdMiddleware
+from tracker.errors import TokenizationError
 from tracker.http import (
     CLIENT_CLOSED,
     BodyLimitMiddleware,
@@ -43,7 +44,7 @@ from tracker.http import (
     http_error_handler,
     metrics_endpoint,
 )
-from tracker.tokens import TokenizationError, Tokenizer
+from tracker.tokens import Tokenizer
 
 logger = logging.getLogger(__name__)
 

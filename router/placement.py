@@ -33,8 +33,8 @@ from router.requests import PromptRequest
 from router.reuse import ReuseBook
 from router.tokenize import TokenizerBook
 from tracker.blocks import ChainCache, Namespace
+from tracker.errors import TokenizationError
 from tracker.index import Home, Match, Residency
-from tracker.tokens import TokenizationError
 
 logger = logging.getLogger(__name__)
 _NOTHING = Residency(0, 0)

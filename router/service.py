@@ -3,7 +3,7 @@
 With ``--redis`` the index, the replica registry and the load are shared through Redis with
 every other router and tracker. Without it the router is self-contained: an in-process
 :class:`~tracker.index.MemoryIndex` fed by an in-process
-:class:`~tracker.service.TrackerService` consuming the ``--replica`` event endpoints. With
+:mod:`tracker.embedded` tracker consuming the ``--replica`` event endpoints. With
 both and ``--local-index`` the index is the router's own, fed as without Redis, and the load
 and the routes are shared (:class:`~router.load.RedisLoadBoard`,
 :class:`~router.routefeed.RouteFeed`; read in the background, so no request waits for Redis).
@@ -31,11 +31,11 @@ from router.routefeed import RouteFeed
 from router.tokenize import TokenizerBook
 from tracker.backends import open_index
 from tracker.config import TrackerSettings
+from tracker.embedded import EmbeddedTracker, start_embedded
 from tracker.http import HTTPServer, bind
 from tracker.index import BlockIndex, MemoryIndex
 from tracker.lifecycle import freeze_heap, run_on_loop, run_until_signalled, running_loop_name
 from tracker.redis_client import RedisConnection, open_redis
-from tracker.service import TrackerService
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class RouterService:
         self._sock = sock
         self.registry = registry or CollectorRegistry()
         self.index: BlockIndex | None = None
-        self.tracker: TrackerService | None = None
+        self.tracker: EmbeddedTracker | None = None
         self._redis: RedisConnection | None = None
         self.app: Starlette | None = None
         self.port: int | None = None
@@ -137,10 +137,9 @@ class RouterService:
                         since_s=settings.home_ttl_s,
                     )
                 if settings.replica:
-                    self.tracker = TrackerService(
+                    self.tracker = await start_embedded(
                         tracker_settings(settings), self.index, self.registry
                     )
-                    await self.tracker.start()
             tokenizers = await asyncio.to_thread(TokenizerBook.load, settings)
             self.app = create_app(
                 settings,

@@ -32,8 +32,9 @@ import xxhash
 
 from router.config import RouterSettings, model_paths
 from router.segments import plan_segments, split_pieces
-from tracker.errors import ConfigError
-from tracker.tokens import Message, TokenizationError, Tokenizer, load_chat_template
+from tracker.chat import Message, load_chat_template
+from tracker.errors import ConfigError, TokenizationError
+from tracker.tokens import Tokenizer
 
 _ENTRY_OVERHEAD: Final = 32  # tokens' worth (8 bytes each) of dict entry, key and tuple header
 _PIECE_SEED: Final = 0  # a piece encoded without special tokens

@@ -163,3 +163,22 @@ def test_no_import_cycles_between_our_modules() -> None:
     graph = import_graph(ROOT)
     cycles = import_cycles(graph)
     assert not cycles, describe_cycles(graph, cycles)
+
+
+# The tracker service's modules: other parts reach the tracker service only through its
+# public entry points, tracker.embedded (a router with its own index) and the command.
+TRACKER_SERVICE = frozenset(
+    {"tracker.service", "tracker.subscriber", "tracker.streams", "tracker.replay", "tracker.writes"}
+)
+SERVICE_ENTRIES = frozenset({"tracker.embedded", "tracker.commands"})
+
+
+def test_other_parts_reach_the_tracker_service_through_its_entry_points() -> None:
+    graph = import_graph(ROOT)
+    offenders = {
+        module: sorted(targets & TRACKER_SERVICE)
+        for module, targets in graph.items()
+        if not module.startswith("tracker.") and targets & TRACKER_SERVICE
+    }
+    assert offenders == {}
+    assert all(module in graph for module in TRACKER_SERVICE | SERVICE_ENTRIES)

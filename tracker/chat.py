@@ -20,7 +20,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tracker.errors import KVRouterError
+from tracker.errors import ChatTemplateError, TokenizationError, TokenizerLoadError
 
 CHATML_TEMPLATE: Final = (
     "{% if tools %}<|im_start|>system\n# Tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
@@ -30,18 +30,6 @@ CHATML_TEMPLATE: Final = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 Message = Mapping[str, Any]
-
-
-class TokenizationError(KVRouterError, ValueError):
-    """A prompt, message list or token id list cannot be turned into engine token ids."""
-
-
-class ChatTemplateError(TokenizationError):
-    """The chat template is missing, does not compile, or raised while rendering."""
-
-
-class TokenizerLoadError(TokenizationError):
-    """A tokenizer.json, chat template or tokenizer_config.json cannot be read."""
 
 
 class _GenerationTags(jinja2.ext.Extension):

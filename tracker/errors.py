@@ -29,3 +29,15 @@ class ReplayError(KVRouterError):
 
 class FencedError(KVRouterError):
     """This tracker lost its lease: a tracker elected after it writes the index now."""
+
+
+class TokenizationError(KVRouterError, ValueError):
+    """A prompt, message list or token id list cannot be turned into engine token ids."""
+
+
+class ChatTemplateError(TokenizationError):
+    """The chat template is missing, does not compile, or raised while rendering."""
+
+
+class TokenizerLoadError(TokenizationError):
+    """A tokenizer.json, chat template or tokenizer_config.json cannot be read."""

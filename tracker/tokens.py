@@ -23,28 +23,13 @@ from tokenizers import decoders, models, pre_tokenizers
 from tracker.chat import (
     CHATML_TEMPLATE,
     ChatTemplate,
-    ChatTemplateError,
     Message,
-    TokenizationError,
-    TokenizerLoadError,
     compile_template,
-    load_chat_template,
     normalize_messages,
     read_template,
     token_text,
 )
-
-__all__ = [
-    "BUILTIN_SPECIAL_TOKENS",
-    "ChatTemplate",
-    "ChatTemplateError",
-    "IncrementalDecoder",
-    "Message",
-    "TokenizationError",
-    "Tokenizer",
-    "TokenizerLoadError",
-    "load_chat_template",
-]
+from tracker.errors import ChatTemplateError, TokenizationError, TokenizerLoadError
 
 BUILTIN_SPECIAL_TOKENS: Final = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
