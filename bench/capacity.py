@@ -1,7 +1,7 @@
 """How many requests per second a fleet of simulated engines can serve for a workload.
 
 :func:`measure_shape` renders every prompt with the engines' tokenizer and chains its blocks
-(:func:`tracker.blocks.block_keys`) to learn what the workload *can* reuse: the mean prompt
+(:func:`tracker.core.blocks.block_keys`) to learn what the workload *can* reuse: the mean prompt
 ``P`` and output ``O``, the mean tokens ``u`` that are new to the whole workload when requests
 arrive in order (the prefill no router can avoid), the distinct blocks that two or more
 requests share, and the blocks private to each request.
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from bench.workloads import Conversation, Workload, messages, text
 from publishers.config import EngineShape
 from publishers.latency import LatencyProfile, load_profile
-from tracker.blocks import Namespace, block_keys
-from tracker.tokens import Tokenizer
+from tracker.core.blocks import Namespace, block_keys
+from tracker.core.tokens import Tokenizer
 
 _COMPUTE_CEILING = 0.9
 _KV_HEADROOM = 0.95

@@ -26,8 +26,8 @@ import httpx
 
 from bench.stack import port_block
 from router.upstream import KEEPALIVE_EXPIRY_S
-from tracker.cli import parse_argv
-from tracker.settings import Settings, setting
+from tracker.framework.cli import parse_argv
+from tracker.framework.settings import Settings, setting
 
 PATH = "/v1/chat/completions"
 BODY = json.dumps(

@@ -26,11 +26,11 @@ from bench.workloads import (
     shared_prefix,
     with_poisson_arrivals,
 )
-from tracker.cli import Command
-from tracker.config import LogSettings
-from tracker.errors import ConfigError
-from tracker.settings import setting
-from tracker.tokens import Tokenizer
+from tracker.core.tokens import Tokenizer
+from tracker.framework.cli import Command
+from tracker.framework.config import LogSettings
+from tracker.framework.errors import ConfigError
+from tracker.framework.settings import setting
 
 DEFAULT_TRACE: Final = Path(__file__).parent / "traces" / "synthetic_mooncake_sample.jsonl"
 FULL: Final = FleetConfig()

@@ -27,7 +27,7 @@ from tokenizers import (
     trainers,
 )
 
-from tracker.chat import CHATML_TEMPLATE
+from tracker.core.chat import CHATML_TEMPLATE
 
 SPECIAL_TOKENS: Final = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen2's pre-tokenizer split (the GPT-4 style pattern, single digits).

@@ -23,9 +23,9 @@ from bench.commands import BenchSettings, plan
 from bench.console import Console, summaries_of
 from bench.harness import Harness, PolicyRun
 from bench.report import engines_per_group
-from tracker.cli import Command
-from tracker.config import LogSettings
-from tracker.settings import setting
+from tracker.framework.cli import Command
+from tracker.framework.config import LogSettings
+from tracker.framework.settings import setting
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.procs import RedisServer, sync_redis
-from tracker.backends import open_index
-from tracker.blocks import Namespace, block_keys
-from tracker.cli import parse_argv
-from tracker.events import (
+from tracker.core.backends import open_index
+from tracker.core.blocks import Namespace, block_keys
+from tracker.core.events import (
     BlockStored,
     EventBatch,
     ExternalHash,
@@ -31,9 +30,10 @@ from tracker.events import (
     decode_batch,
     encode_batch,
 )
-from tracker.index import BlockIndex
-from tracker.redis_index import RedisIndex
-from tracker.settings import Settings, setting
+from tracker.core.index import BlockIndex
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.cli import parse_argv
+from tracker.framework.settings import Settings, setting
 
 NAMESPACE = Namespace("bench-model", 16)
 

@@ -59,11 +59,11 @@ from bench.report import (
 from bench.report import markdown as policy_table
 from bench.verdicts import Cell, Verdict, best_peers, headline, verdict
 from publishers.config import EngineShape
-from tracker.cli import Command
-from tracker.config import LogSettings
-from tracker.errors import ConfigError
-from tracker.settings import setting
-from tracker.tokens import Tokenizer
+from tracker.core.tokens import Tokenizer
+from tracker.framework.cli import Command
+from tracker.framework.config import LogSettings
+from tracker.framework.errors import ConfigError
+from tracker.framework.settings import setting
 
 AXES: Final = ("cache", "load", "routers", "bypass", "restart", "conversation")
 # 10 groups x 32: 3 % of the requests are their group's first (cold), so TTFT p95 measures

@@ -38,8 +38,8 @@ from bench.peers import PEERS, Worker, executable, installed, named
 from bench.proxy_load import cpu_seconds
 from bench.stack import LocalStack, StackConfig, kvrouter_bin, port_block
 from bench.workloads import text
-from tracker.cli import parse_argv
-from tracker.settings import Settings, setting
+from tracker.framework.cli import parse_argv
+from tracker.framework.settings import Settings, setting
 
 PATH: Final = "/v1/chat/completions"
 DIRECT: Final = "direct"

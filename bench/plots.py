@@ -17,7 +17,7 @@ from typing import Final
 from bench.harness import PolicyRun
 from bench.report import Summary, latencies_ms
 from bench.verdicts import Verdict
-from tracker.errors import ConfigError
+from tracker.framework.errors import ConfigError
 
 INSTALL_HINT: Final = "pip install -e '.[bench]'"
 

@@ -19,7 +19,7 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
-from tracker.redis_client import (
+from tracker.core.redis_client import (
     CLUSTER_SCHEMES,
     SENTINEL_SCHEMES,
     parse_cluster_url,

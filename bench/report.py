@@ -26,8 +26,8 @@ from typing import Any
 
 from bench.harness import PolicyRun
 from bench.loadgen import Result
-from tracker.cli import parse_argv
-from tracker.settings import Settings, setting
+from tracker.framework.cli import parse_argv
+from tracker.framework.settings import Settings, setting
 
 LATENCY_KEYS = ("p50", "p95", "p99", "mean")
 

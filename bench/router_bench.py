@@ -42,14 +42,14 @@ from router.placement import Placement, Placer
 from router.requests import PromptRequest, parse
 from router.service import load_board
 from router.tokenize import TokenizerBook
-from tracker.backends import open_index
-from tracker.blocks import Namespace
-from tracker.cli import parse_argv
-from tracker.errors import ConfigError
-from tracker.events import BlockStored, EventBatch, ExternalHash
-from tracker.index import BlockIndex
-from tracker.redis_index import RedisIndex
-from tracker.settings import Settings, setting
+from tracker.core.backends import open_index
+from tracker.core.blocks import Namespace
+from tracker.core.events import BlockStored, EventBatch, ExternalHash
+from tracker.core.index import BlockIndex
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.cli import parse_argv
+from tracker.framework.errors import ConfigError
+from tracker.framework.settings import Settings, setting
 
 MODEL: Final = "bench-model"
 BLOCK_SIZE: Final = 16

@@ -58,9 +58,9 @@ from bench.peers import installed, named
 from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, one_stream, percentile
 from bench.stack import LocalStack
 from router.upstream import KEEPALIVE_EXPIRY_S
-from tracker.cli import parse_argv
-from tracker.errors import ConfigError
-from tracker.settings import Settings, setting
+from tracker.framework.cli import parse_argv
+from tracker.framework.errors import ConfigError
+from tracker.framework.settings import Settings, setting
 
 DIRECT: Final = "direct"
 MAX_OPEN: Final = 2048  # open-loop requests in flight at most (bounded load)

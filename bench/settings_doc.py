@@ -12,7 +12,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from tracker.cli import load_commands
+from tracker.framework.cli import load_commands
 
 BEGIN = "<!-- settings:begin -->"
 END = "<!-- settings:end -->"

@@ -33,8 +33,8 @@ from bench.procs import (
     wait_sentinels_ready,
 )
 from publishers.config import EngineShape
-from tracker.cli import parse_argv
-from tracker.settings import Settings, setting
+from tracker.framework.cli import parse_argv
+from tracker.framework.settings import Settings, setting
 
 
 class StackError(RuntimeError):

@@ -5,7 +5,7 @@ KV-cache group, including when the KV events are produced (``docs/vllm-kv-events
 
 * full blocks are keyed by vLLM's ``sha256`` chain, ``h_i = sha256(pickle((h_{i-1} or
   NONE_HASH, tokens_i, extra_i)))`` with ``NONE_HASH = sha256(pickle(hash_seed))``; events
-  carry the low 64 bits of each digest (these are not kvrouter's own ``tracker.blocks`` keys);
+  carry the low 64 bits of each digest (these are not kvrouter's own ``tracker.core.blocks`` keys);
 * blocks are cached (``BlockStored``) when the scheduler allocates the slots that fill them,
   before the forward pass runs; a free block keeps its hash and stays hittable until it is
   reused for new data (``BlockRemoved``, one hash per event); the free queue is LRU and a
@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import msgspec
 
-from tracker.events import (
+from tracker.core.events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,

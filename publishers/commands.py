@@ -8,7 +8,7 @@ only when a command runs, so ``kvrouter --help`` stays fast. Their settings live
 from __future__ import annotations
 
 from publishers.config import AttachSettings, ReplicaSettings
-from tracker.cli import Command
+from tracker.framework.cli import Command
 
 
 def _run_replica(settings: ReplicaSettings) -> int:

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from publishers.registration import DOWN_AFTER
-from tracker.config import ServiceSettings
-from tracker.errors import ConfigError
-from tracker.events import WireEra
-from tracker.index import RECORD_TTL_S
-from tracker.settings import setting
+from tracker.core.events import WireEra
+from tracker.core.index import RECORD_TTL_S
+from tracker.framework.config import ServiceSettings
+from tracker.framework.errors import ConfigError
+from tracker.framework.settings import setting
 
 _ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 _TCP: Final = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d{1,5})$")

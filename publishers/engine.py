@@ -29,7 +29,7 @@ from publishers.cache import BlockPool, CachedBlock, KVCacheManager, TokenSequen
 from publishers.config import EngineShape
 from publishers.latency import LatencyProfile, load_profile
 from publishers.probe import EngineProbe, QueuedWork, probe
-from tracker.events import Event
+from tracker.core.events import Event
 
 __all__ = ["CachedBlock", "EngineConfig", "EngineStats", "EventSink", "GenerationRequest"]
 __all__ += ["RequestStream", "SimulatedEngine"]

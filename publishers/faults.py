@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from publishers.engine import CachedBlock, SimulatedEngine
 from publishers.zmq import ZmqEventPublisher
-from tracker.blocks import Namespace, block_keys, own_extra_keys
+from tracker.core.blocks import Namespace, block_keys, own_extra_keys
 
 
 class FaultRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -25,13 +25,13 @@ from publishers.faults import debug_routes
 from publishers.registration import RegistrationService
 from publishers.server import create_app
 from publishers.zmq import ZmqEventPublisher, binds
-from tracker.backends import open_index
-from tracker.chat import load_chat_template
-from tracker.errors import ConfigError
-from tracker.http import HTTPServer, bind
-from tracker.index import BlockIndex, ReplicaRecord
-from tracker.lifecycle import run_on_loop
-from tracker.tokens import Tokenizer
+from tracker.core.backends import open_index
+from tracker.core.chat import load_chat_template
+from tracker.core.index import BlockIndex, ReplicaRecord
+from tracker.core.tokens import Tokenizer
+from tracker.framework.errors import ConfigError
+from tracker.framework.http import HTTPServer, bind
+from tracker.framework.lifecycle import run_on_loop
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
-from tracker.errors import IndexUnavailableError
-from tracker.index import BlockIndex, ReplicaRecord
-from tracker.lifecycle import cancel_and_wait
+from tracker.core.index import BlockIndex, ReplicaRecord
+from tracker.framework.errors import IndexUnavailableError
+from tracker.framework.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ DOWN_AFTER: Final = 3
 class RegistrationService:
     """Heartbeats ``records`` into ``index`` every ``interval_s`` while ``alive()`` says so.
 
-    :param index: the registry (normally a :class:`tracker.redis_index.RedisIndex`).
+    :param index: the registry (normally a :class:`tracker.core.redis_index.RedisIndex`).
     :param records: one entry per replica this process stands for.
     :param interval_s: time between heartbeats; keep it well under the records' ``ttl_s``.
     :param alive: optional health probe; while it fails ``down_after`` times in a row the

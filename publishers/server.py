@@ -33,8 +33,9 @@ from publishers.engine import GenerationRequest, RequestStream, SimulatedEngine
 from publishers.metrics import ServerMetrics
 from publishers.protocol import Head, RequestError
 from publishers.serving import RequestIdMiddleware
-from tracker.errors import TokenizationError
-from tracker.http import (
+from tracker.core.tokens import Tokenizer
+from tracker.framework.errors import TokenizationError
+from tracker.framework.http import (
     CLIENT_CLOSED,
     BodyLimitMiddleware,
     ClientWatch,
@@ -44,7 +45,6 @@ from tracker.http import (
     http_error_handler,
     metrics_endpoint,
 )
-from tracker.tokens import Tokenizer
 
 logger = logging.getLogger(__name__)
 

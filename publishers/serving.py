@@ -1,7 +1,7 @@
 """HTTP middleware of the simulated engines' servers: request ids.
 
-The servers themselves are :class:`tracker.http.HTTPServer` with
-:class:`tracker.http.BodyLimitMiddleware` (several share one process in
+The servers themselves are :class:`tracker.framework.http.HTTPServer` with
+:class:`tracker.framework.http.BodyLimitMiddleware` (several share one process in
 ``kvrouter replica --count N``; the fleet handles SIGINT/SIGTERM once and stops them all).
 """
 

@@ -28,10 +28,10 @@ import msgspec
 from publishers.config import AttachSettings, tcp_parts
 from publishers.registration import HealthCheck, RegistrationService
 from publishers.zmq import endpoint_for_rank
-from tracker.backends import open_index
-from tracker.errors import ConfigError
-from tracker.index import BlockIndex, ReplicaRecord
-from tracker.lifecycle import run_on_loop
+from tracker.core.backends import open_index
+from tracker.core.index import BlockIndex, ReplicaRecord
+from tracker.framework.errors import ConfigError
+from tracker.framework.lifecycle import run_on_loop
 
 logger = logging.getLogger(__name__)
 

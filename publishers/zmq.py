@@ -25,8 +25,8 @@ from typing import Final, Literal
 import msgspec
 import zmq
 
-from tracker.blocks import own_extra_keys
-from tracker.events import (
+from tracker.core.blocks import own_extra_keys
+from tracker.core.events import (
     NEWEST_ERA,
     REPLAY_END_SEQ,
     BlockStored,
@@ -88,7 +88,7 @@ class ZmqEventPublisher:
         endpoint: PUB address (bound or connected, see :func:`binds`).
         replay_endpoint: ROUTER address (always bound); ``None`` disables replay.
         topic: first frame of every live message.
-        era: wire format to encode (:class:`tracker.events.WireEra`).
+        era: wire format to encode (:class:`tracker.core.events.WireEra`).
         replay_layout: ``"legacy"`` (vLLM <= 0.24.x, 0.25.1) or ``"topic"`` (with a topic
             frame: vLLM main from 2026-07, every release from v0.26).
         buffer_steps: how many published batches replay can serve (vLLM's default; the

@@ -41,16 +41,16 @@ from router.requests import parse, read_body
 from router.routefeed import RouteFeed
 from router.tokenize import TokenizerBook
 from router.upstream import UpstreamClient
-from tracker.blocks import Namespace
-from tracker.errors import IndexUnavailableError
-from tracker.http import (
+from tracker.core.blocks import Namespace
+from tracker.core.index import BlockIndex, describe_match
+from tracker.framework.errors import IndexUnavailableError
+from tracker.framework.http import (
     CLIENT_CLOSED,
     Handler,
     answer_errors,
     http_error_handler,
     metrics_endpoint,
 )
-from tracker.index import BlockIndex, describe_match
 
 logger = logging.getLogger(__name__)
 

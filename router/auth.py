@@ -7,7 +7,7 @@ from pathlib import Path
 
 from starlette.requests import Request
 
-from tracker.errors import ConfigError
+from tracker.framework.errors import ConfigError
 
 
 def load_keys(key: str | None, path: str | None, what: str) -> frozenset[bytes]:

@@ -24,10 +24,10 @@ from prometheus_client import Gauge
 from router.load import Load, LoadBoard, RedisLoadBoard
 from router.metrics import RouterMetrics
 from router.routefeed import RouteFeed
-from tracker.blocks import Namespace
-from tracker.errors import IndexUnavailableError
-from tracker.index import BlockIndex, Home, Match, MemoryIndex, Residency, Survey
-from tracker.lifecycle import cancel_and_wait
+from tracker.core.blocks import Namespace
+from tracker.core.index import BlockIndex, Home, Match, MemoryIndex, Residency, Survey
+from tracker.framework.errors import IndexUnavailableError
+from tracker.framework.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class GuardedIndex:
         home_ttl_s: float = 0.0,
     ) -> None:
         """Record that ``replica`` is about to hold ``keys`` and is the home of ``anchors``
-        (:meth:`tracker.index.BlockIndex.claim`): at once in an index in this process, in
+        (:meth:`tracker.core.index.BlockIndex.claim`): at once in an index in this process, in
         the background in a remote one."""
         keys = keys if ttl_s > 0 else ()
         anchors = anchors if home_ttl_s > 0 else ()

@@ -1,7 +1,7 @@
 """How fast each replica's prefix cache turns over, from the index's count of stored blocks.
 
 The tracker counts, per replica, the GPU blocks its ``BlockStored`` events ever added
-(:class:`tracker.index.Residency`); every lookup returns the counts of every replica. The
+(:class:`tracker.core.index.Residency`); every lookup returns the counts of every replica. The
 rate at which that count grows is the cache's churn: once the cache is full, each stored
 block pushes the least recently used one out. Churn is what the events know and a router
 cannot: it includes traffic from other routers and from clients that bypass every router.
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
-from tracker.index import Residency
+from tracker.core.index import Residency
 
 _MIN_RATE: Final = 1e-9
 

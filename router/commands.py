@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.config import RouterSettings
-from tracker.cli import Command
+from tracker.framework.cli import Command
 
 
 def _run_router(settings: RouterSettings) -> int:

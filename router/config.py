@@ -8,11 +8,11 @@ from typing import Final
 
 from router.policies import POLICIES
 from router.policy import DEFAULT_SPEED, PolicyConfig, SpeedEstimate
-from tracker.config import ServiceSettings
-from tracker.errors import ConfigError
-from tracker.index import LOAD_TTL_S
-from tracker.replicas import ReplicaSpec
-from tracker.settings import setting
+from tracker.core.index import LOAD_TTL_S
+from tracker.core.replicas import ReplicaSpec
+from tracker.framework.config import ServiceSettings
+from tracker.framework.errors import ConfigError
+from tracker.framework.settings import setting
 
 _POLICY: Final = PolicyConfig()  # the policy's own defaults, for the settings that seed it
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from tracker.errors import KVRouterError
+from tracker.framework.errors import KVRouterError
 
 
 class RouterError(KVRouterError):

@@ -22,10 +22,10 @@ from router.load import LoadBoard
 from router.metrics import RouterMetrics
 from router.replicas import EngineLoad, Replica, ReplicaSet
 from router.upstream import UpstreamClient, failure_kind
-from tracker.blocks import Namespace
-from tracker.errors import IndexUnavailableError
-from tracker.index import BlockIndex
-from tracker.lifecycle import cancel_and_wait
+from tracker.core.blocks import Namespace
+from tracker.core.index import BlockIndex
+from tracker.framework.errors import IndexUnavailableError
+from tracker.framework.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import IO, Any
 import msgspec
 
 from router.policy import Decision, ReplicaState
-from tracker.index import Match
+from tracker.core.index import Match
 
 _encode = msgspec.json.Encoder().encode
 

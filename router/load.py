@@ -5,7 +5,7 @@ prompt tokens as queued prefill work until :meth:`Lease.first_token`; nothing af
 :meth:`Lease.release`. Boards add leases up per (index partition, replica).
 
 :class:`RedisLoadBoard` shares the totals: each router writes *its own* absolute totals into
-the partition's ``load`` hash (:attr:`tracker.keys.NamespaceKeys.load`), field
+the partition's ``load`` hash (:attr:`tracker.core.keys.NamespaceKeys.load`), field
 ``<replica> NUL <router id>``, value ``struct.pack('<dddd', inflight, tokens, expiry_ms,
 since_ms)`` with the expiry, and the send time of the router's oldest request there still
 prefilling, computed from Redis ``TIME`` inside the script, so router clocks never matter. A
@@ -57,12 +57,12 @@ from typing import Final, Protocol
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from tracker import lua
-from tracker.blocks import Namespace
-from tracker.errors import IndexUnavailableError
-from tracker.keys import NamespaceKeys
-from tracker.lifecycle import cancel_and_wait
-from tracker.redis_index import load_sums
+from tracker.core import lua
+from tracker.core.blocks import Namespace
+from tracker.core.keys import NamespaceKeys
+from tracker.core.redis_index import load_sums
+from tracker.framework.errors import IndexUnavailableError
+from tracker.framework.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """From a request to a routing decision: tokenize, hash, look up, score; timed per stage.
 
 The prompt is tokenized as the engine will (chat template over every message), its block-key
-chain computed with the tracker's :func:`~tracker.blocks.block_keys` (the keys of a prefix
-seen before are reused: :class:`~tracker.blocks.ChainCache`), the chain's placements and every
+chain computed with the tracker's :func:`~tracker.core.blocks.block_keys` (the keys of a prefix
+seen before are reused: :class:`~tracker.core.blocks.ChainCache`), the chain's placements and every
 router's load read in one guarded round trip (:mod:`router.breaker`), and the candidates scored
 by :func:`router.policy.decide`. A prompt the router cannot tokenize (a content type it does
 not know, a template that rejects the conversation) is routed on load alone: the engine, not
@@ -32,9 +32,9 @@ from router.replicas import Replica, ReplicaSet
 from router.requests import PromptRequest
 from router.reuse import ReuseBook
 from router.tokenize import TokenizerBook
-from tracker.blocks import ChainCache, Namespace
-from tracker.errors import TokenizationError
-from tracker.index import Home, Match, Residency
+from tracker.core.blocks import ChainCache, Namespace
+from tracker.core.index import Home, Match, Residency
+from tracker.framework.errors import TokenizationError
 
 logger = logging.getLogger(__name__)
 _NOTHING = Residency(0, 0)

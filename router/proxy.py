@@ -43,8 +43,8 @@ from router.requests import (
 )
 from router.sse import UsageFilter, error_event
 from router.upstream import UpstreamClient, UpstreamResponse, failure_kind, passthrough_headers
-from tracker.http import CLIENT_CLOSED, ClientWatch
-from tracker.keys import home_anchors
+from tracker.core.keys import home_anchors
+from tracker.framework.http import CLIENT_CLOSED, ClientWatch
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tracker.blocks import Namespace
-from tracker.index import RECORD_TTL_S, ReplicaRecord
-from tracker.replicas import ReplicaSpec
+from tracker.core.blocks import Namespace
+from tracker.core.index import RECORD_TTL_S, ReplicaRecord
+from tracker.core.replicas import ReplicaSpec
 
 logger = logging.getLogger(__name__)
 

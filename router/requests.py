@@ -14,7 +14,7 @@ import msgspec
 from starlette.requests import Request
 
 from router.errors import BadRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
-from tracker.http import body_limit_message, content_type_refusal, read_limited
+from tracker.framework.http import body_limit_message, content_type_refusal, read_limited
 
 Endpoint = Literal["chat", "completions", "index"]
 PATHS: Final[dict[Endpoint, str]] = {

@@ -1,6 +1,6 @@
 """Which of each replica's cached blocks routed requests keep using: what evicting them costs.
 
-The index counts every block a replica's cache holds (:class:`tracker.index.Residency`), and
+The index counts every block a replica's cache holds (:class:`tracker.core.index.Residency`), and
 once an engine has run for a while its cache is always full: vLLM keeps a finished request's
 blocks until it needs the room. Most of them are worth nothing — a request's own question
 and answer are never asked for again — and they are the first to go (vLLM frees a request's

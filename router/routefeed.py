@@ -2,14 +2,14 @@
 
 With the shared index every router writes each request's predicted blocks and home claim
 into Redis and reads everyone's with its lookup. A router whose index is in its process
-(:class:`~tracker.index.MemoryIndex`) would otherwise learn another router's placement
+(:class:`~tracker.core.index.MemoryIndex`) would otherwise learn another router's placement
 only from the engine's events, a prefill later: two requests of a new prefix group sent
 through two routers within that time each pick an engine, and the group splits (with four
 routers behind haproxy under KV pressure: 64 % hits against the shared index's 73 %).
 
 :class:`RouteFeed` shares them off the request path. Each route the router records in its
-own index is appended to the partition's stream (:attr:`tracker.keys.NamespaceKeys.routes`,
-``XADD MAXLEN ~`` :data:`~tracker.keys.MAX_ROUTES`) by one background task, ``push_delay_s``
+own index is appended to the partition's stream (:attr:`tracker.core.keys.NamespaceKeys.routes`,
+``XADD MAXLEN ~`` :data:`~tracker.core.keys.MAX_ROUTES`) by one background task, ``push_delay_s``
 after it happened, with whatever else was routed meanwhile (one pipelined write). Every
 ``refresh_s`` the feed reads the entries other routers appended since its last read of each
 partition it routes in, and records them in the index as they were made (their age taken
@@ -32,10 +32,10 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
-from tracker.blocks import Namespace
-from tracker.index import MemoryIndex
-from tracker.keys import MAX_ROUTES, NamespaceKeys
-from tracker.lifecycle import cancel_and_wait
+from tracker.core.blocks import Namespace
+from tracker.core.index import MemoryIndex
+from tracker.core.keys import MAX_ROUTES, NamespaceKeys
+from tracker.framework.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 With ``--redis`` the index, the replica registry and the load are shared through Redis with
 every other router and tracker. Without it the router is self-contained: an in-process
-:class:`~tracker.index.MemoryIndex` fed by an in-process
-:mod:`tracker.embedded` tracker consuming the ``--replica`` event endpoints. With
+:class:`~tracker.core.index.MemoryIndex` fed by an in-process
+:mod:`tracker.ingest.embedded` tracker consuming the ``--replica`` event endpoints. With
 both and ``--local-index`` the index is the router's own, fed as without Redis, and the load
 and the routes are shared (:class:`~router.load.RedisLoadBoard`,
 :class:`~router.routefeed.RouteFeed`; read in the background, so no request waits for Redis).
@@ -29,13 +29,18 @@ from router.load import LoadBoard, LocalLoadBoard, RedisLoadBoard, new_router_id
 from router.routefeed import REFRESH_S as ROUTE_REFRESH_S
 from router.routefeed import RouteFeed
 from router.tokenize import TokenizerBook
-from tracker.backends import open_index
-from tracker.config import TrackerSettings
-from tracker.embedded import EmbeddedTracker, start_embedded
-from tracker.http import HTTPServer, bind
-from tracker.index import BlockIndex, MemoryIndex
-from tracker.lifecycle import freeze_heap, run_on_loop, run_until_signalled, running_loop_name
-from tracker.redis_client import RedisConnection, open_redis
+from tracker.core.backends import open_index
+from tracker.core.index import BlockIndex, MemoryIndex
+from tracker.core.redis_client import RedisConnection, open_redis
+from tracker.framework.http import HTTPServer, bind
+from tracker.framework.lifecycle import (
+    freeze_heap,
+    run_on_loop,
+    run_until_signalled,
+    running_loop_name,
+)
+from tracker.ingest.config import TrackerSettings
+from tracker.ingest.embedded import EmbeddedTracker, start_embedded
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +67,7 @@ def load_board(index: BlockIndex, settings: RouterSettings) -> LoadBoard:
 
     :raises ValueError: for a shared index and no ``settings.router_id``.
     """
-    from tracker.redis_index import RedisIndex  # noqa: PLC0415 - only when used
+    from tracker.core.redis_index import RedisIndex  # noqa: PLC0415 - only when used
 
     if not isinstance(index, RedisIndex):
         return LocalLoadBoard()
@@ -89,7 +94,7 @@ class RouterService:
         sock: socket.socket | None = None,
     ) -> None:
         """:param freeze: the service owns its process: freeze the start-up heap once it
-        serves (:func:`tracker.lifecycle.freeze_heap`).
+        serves (:func:`tracker.framework.lifecycle.freeze_heap`).
         :param sock: serve on this listening socket (a worker of :mod:`router.workers`)
             instead of binding ``host:port``."""
         self.router_id = settings.router_id or new_router_id()

@@ -32,9 +32,9 @@ import xxhash
 
 from router.config import RouterSettings, model_paths
 from router.segments import plan_segments, split_pieces
-from tracker.chat import Message, load_chat_template
-from tracker.errors import ConfigError, TokenizationError
-from tracker.tokens import Tokenizer
+from tracker.core.chat import Message, load_chat_template
+from tracker.core.tokens import Tokenizer
+from tracker.framework.errors import ConfigError, TokenizationError
 
 _ENTRY_OVERHEAD: Final = 32  # tokens' worth (8 bytes each) of dict entry, key and tuple header
 _PIECE_SEED: Final = 0  # a piece encoded without special tokens
@@ -128,7 +128,7 @@ class PromptTokenizer:
         self.inline_chars = inline_chars
         self.tokenizer = tokenizer
         self._hf = tokenizer.hf
-        # tracker.tokens gives some tokenizers (the builtin) a faster exact encoder than the
+        # tracker.core.tokens gives some tokenizers (the builtin) a faster exact encoder than the
         # HF pipeline; Tokenizer.encode uses it, and so do we when it is there.
         self._fast = getattr(tokenizer, "_fast_encode", None) is not None
         self.plan = plan_segments(self._hf)

@@ -37,7 +37,7 @@ from typing import Final
 
 from router.config import RouterSettings
 from router.metrics import MULTIPROC_ENV
-from tracker.http import bind
+from tracker.framework.http import bind
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ def _serve_worker(settings: RouterSettings, sock: socket.socket) -> None:
     """A worker's main: one router on the inherited socket until SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards what reaches it
     from router.service import serve  # noqa: PLC0415 - a fresh interpreter imports it
-    from tracker import logs  # noqa: PLC0415
-    from tracker.lifecycle import run_on_loop  # noqa: PLC0415
+    from tracker.framework import logs  # noqa: PLC0415
+    from tracker.framework.lifecycle import run_on_loop  # noqa: PLC0415
 
     logs.configure(settings.log_level, settings.log_format)
     raise SystemExit(run_on_loop(serve(settings, sock=sock), settings.loop))

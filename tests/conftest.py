@@ -34,7 +34,7 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 
 @pytest.fixture
 async def redis_index(redis_url: str) -> AsyncIterator[object]:
-    from tracker.redis_index import RedisIndex
+    from tracker.core.redis_index import RedisIndex
 
     index = RedisIndex.from_url(redis_url)
     yield index

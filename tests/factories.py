@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-from tracker.blocks import Namespace
-from tracker.events import BlockRemoved, BlockStored, Event, EventBatch, ExternalHash
+from tracker.core.blocks import Namespace
+from tracker.core.events import BlockRemoved, BlockStored, Event, EventBatch, ExternalHash
 
 # One namespace per shape. A test that pins the model name or the block size (golden keys,
 # a command line's --model, engines serving a model) uses the one whose values it states.

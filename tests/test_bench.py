@@ -21,7 +21,7 @@ from bench.harness import FleetConfig
 from bench.matrix import MatrixSettings, full_tables, run_cell
 from bench.stack import VllmEngines
 from bench.verdicts import Cell, verdict
-from tracker.errors import ConfigError
+from tracker.framework.errors import ConfigError
 
 pytestmark = [
     pytest.mark.timeout(150),

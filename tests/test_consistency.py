@@ -20,11 +20,11 @@ from prometheus_client import CollectorRegistry
 
 from publishers.engine import CachedBlock, EngineConfig, GenerationRequest, SimulatedEngine
 from publishers.zmq import ZmqEventPublisher
-from tracker.blocks import Namespace, block_keys, own_extra_keys
-from tracker.config import TrackerSettings
-from tracker.keys import NamespaceKeys, bucket_entries
-from tracker.redis_index import RedisIndex
-from tracker.service import TrackerService
+from tracker.core.blocks import Namespace, block_keys, own_extra_keys
+from tracker.core.keys import NamespaceKeys, bucket_entries
+from tracker.core.redis_index import RedisIndex
+from tracker.ingest.config import TrackerSettings
+from tracker.ingest.service import TrackerService
 
 NAMESPACE = Namespace("consistency-model", 16)
 

@@ -33,9 +33,9 @@ from publishers.config import WILDCARD_HOSTS, AttachSettings, ReplicaSettings, t
 from publishers.fleet import FleetService
 from publishers.vllm import vllm_env, vllm_flags
 from router.config import RouterSettings
-from tracker.cli import Command, build_parser, load_commands
-from tracker.config import TrackerSettings
-from tracker.settings import Settings
+from tracker.framework.cli import Command, build_parser, load_commands
+from tracker.framework.settings import Settings
+from tracker.ingest.config import TrackerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -68,7 +68,7 @@ def environment(service: dict[str, Any]) -> dict[str, str]:
 
 
 def parse_command(argv: list[str], env: dict[str, str]) -> Parsed:
-    """``kvrouter ARGV`` with environment ``env``, exactly as ``tracker.cli.main`` reads it."""
+    """``kvrouter ARGV`` with environment ``env``, as ``tracker.framework.cli.main`` reads it."""
     commands = load_commands()
     parser = build_parser(commands)
     errors = StringIO()

@@ -20,7 +20,7 @@ from router.policy import Decision, Score
 from router.replicas import Replica
 from router.requests import PromptRequest
 from router.upstream import UpstreamClient
-from tracker.blocks import Namespace
+from tracker.core.blocks import Namespace
 
 
 class BaselineSettings(Protocol):

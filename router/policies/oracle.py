@@ -28,7 +28,7 @@ from router.errors import UpstreamError
 from router.policies.baseline import Baseline, Choice, baseline_score, best
 from router.policy import Decision
 from router.replicas import Replica
-from tracker.errors import TokenizationError
+from tracker.framework.errors import TokenizationError
 
 logger = logging.getLogger(__name__)
 

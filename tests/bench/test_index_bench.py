@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.index_bench import redis_cpu_s, request_capacity
-from tracker.redis_index import RedisIndex
+from tracker.core.redis_index import RedisIndex
 
 
 async def test_router_requests_per_redis_core_second(redis_url: str) -> None:

@@ -24,7 +24,7 @@ from bench.matrix import (
 )
 from bench.report import Summary, document
 from bench.verdicts import Cell, verdict
-from tracker.errors import ConfigError
+from tracker.framework.errors import ConfigError
 
 
 def summary(

@@ -14,8 +14,8 @@ from bench.report import ReportSettings
 from bench.router_bench import RouterBenchSettings
 from bench.saturation import SaturationSettings
 from bench.stack import StackSettings
-from tracker.cli import parse_argv
-from tracker.settings import Settings
+from tracker.framework.cli import parse_argv
+from tracker.framework.settings import Settings
 
 
 @pytest.mark.parametrize(

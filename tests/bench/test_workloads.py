@@ -23,7 +23,7 @@ from bench.workloads import (
     with_poisson_arrivals,
 )
 from publishers.config import EngineShape
-from tracker.tokens import Tokenizer
+from tracker.core.tokens import Tokenizer
 
 TOKENIZER = Tokenizer.builtin()
 CHATML_SYSTEM_USER = 29  # template tokens around a system + user conversation

@@ -27,8 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.procs import sentinel_primary_port, sentinel_view, sync_redis
 from bench.stack import LocalStack, StackConfig
 from tests.faults.workload import MODEL, Result, Workload
-from tracker.blocks import Namespace
-from tracker.keys import NamespaceKeys, bucket_entries
+from tracker.core.blocks import Namespace
+from tracker.core.keys import NamespaceKeys, bucket_entries
 
 ENGINES: Final = 4
 BLOCK_SIZE: Final = 16

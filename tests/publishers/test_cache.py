@@ -11,8 +11,8 @@ from publishers.cache import (
     external_hash,
     none_hash,
 )
-from tracker.blocks import Namespace, block_keys
-from tracker.events import AllBlocksCleared, BlockRemoved, BlockStored
+from tracker.core.blocks import Namespace, block_keys
+from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 B = 4  # block size of most tests here
 ROOT = none_hash("0")

@@ -19,7 +19,7 @@ from publishers.engine import (
     RequestStream,
     SimulatedEngine,
 )
-from tracker.events import (
+from tracker.core.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 from publishers.engine import EngineConfig, GenerationRequest, SimulatedEngine
 from publishers.latency import load_profile
 from publishers.server import create_app
-from tracker.http import HTTPServer, bind
-from tracker.tokens import Tokenizer
+from tracker.core.tokens import Tokenizer
+from tracker.framework.http import HTTPServer, bind
 
 PROMPT = list(range(100)) * 10  # 1,000 tokens: 62 full blocks
 

@@ -14,9 +14,9 @@ import zmq.asyncio
 
 from publishers.config import ReplicaSettings
 from tests.procs import KVROUTER, free_ports
-from tracker.errors import ConfigError
-from tracker.events import BlockStored, decode_batch, decode_message
-from tracker.redis_index import RedisIndex
+from tracker.core.events import BlockStored, decode_batch, decode_message
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.errors import ConfigError
 
 
 async def wait_healthy(url: str, proc: asyncio.subprocess.Process, within: float = 20) -> None:

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from publishers.engine import EngineConfig, SimulatedEngine
 from publishers.server import create_app
-from tracker.http import HTTPServer, bind
-from tracker.tokens import Tokenizer
+from tracker.core.tokens import Tokenizer
+from tracker.framework.http import HTTPServer, bind
 
 MODEL = "sim-model"
 SYSTEM = "You are a careful assistant. " * 12  # a long shared prefix: many full blocks

@@ -31,10 +31,10 @@ from publishers.vllm import (
 )
 from publishers.zmq import endpoint_for_rank
 from tests.procs import KVROUTER, RedisServer
-from tracker.errors import ConfigError
-from tracker.http import HTTPServer, bind
-from tracker.index import ReplicaRecord
-from tracker.redis_index import RedisIndex
+from tracker.core.index import ReplicaRecord
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.errors import ConfigError
+from tracker.framework.http import HTTPServer, bind
 
 
 def settings(**overrides: Any) -> AttachSettings:

@@ -12,7 +12,7 @@ import zmq
 
 from publishers.zmq import ZmqEventPublisher, as_emitted, binds, endpoint_for_rank
 from tests.procs import free_port
-from tracker.events import (
+from tracker.core.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

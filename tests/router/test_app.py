@@ -27,9 +27,9 @@ from tests.router.harness import (
     router,
     wait_until,
 )
-from tracker.errors import ConfigError
-from tracker.index import MemoryIndex
-from tracker.tokens import Tokenizer
+from tracker.core.index import MemoryIndex
+from tracker.core.tokens import Tokenizer
+from tracker.framework.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -28,9 +28,9 @@ from router.requests import PromptRequest, parse
 from router.upstream import UpstreamClient
 from tests.factories import SIM
 from tests.router.harness import SYSTEM, base_url, chat, engines, router
-from tracker.blocks import Namespace
-from tracker.errors import ConfigError
-from tracker.http import HTTPServer, bind
+from tracker.core.blocks import Namespace
+from tracker.framework.errors import ConfigError
+from tracker.framework.http import HTTPServer, bind
 
 pytestmark = pytest.mark.timeout(30)
 REPLICAS = [Replica(f"r{i}", f"http://127.0.0.1:{9000 + i}", "sim", 16, True) for i in range(3)]

@@ -14,9 +14,9 @@ from router.load import LocalLoadBoard
 from router.metrics import RouterMetrics
 from tests.clock import ManualClock
 from tests.factories import SIM
-from tracker.blocks import Namespace
-from tracker.errors import IndexUnavailableError
-from tracker.index import Match, MemoryIndex
+from tracker.core.blocks import Namespace
+from tracker.core.index import Match, MemoryIndex
+from tracker.framework.errors import IndexUnavailableError
 
 
 def test_breaker_opens_probes_and_closes() -> None:

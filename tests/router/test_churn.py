@@ -6,7 +6,7 @@ import pytest
 
 from router.churn import ChurnBook
 from tests.clock import ManualClock
-from tracker.index import Residency
+from tracker.core.index import Residency
 
 
 def test_rates_from_successive_counts() -> None:

@@ -16,7 +16,7 @@ from router.errors import (
     openai_error_body,
     status_of,
 )
-from tracker.errors import KVRouterError
+from tracker.framework.errors import KVRouterError
 
 
 @pytest.mark.parametrize(

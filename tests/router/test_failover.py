@@ -33,8 +33,8 @@ from tests.router.harness import (
     wait_healthy,
     wait_until,
 )
-from tracker.blocks import block_keys
-from tracker.http import HTTPServer, bind
+from tracker.core.blocks import block_keys
+from tracker.framework.http import HTTPServer, bind
 
 pytestmark = pytest.mark.timeout(60)
 

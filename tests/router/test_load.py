@@ -20,10 +20,10 @@ from router.load import (
     new_router_id,
 )
 from tests.procs import free_port
-from tracker.blocks import Namespace
-from tracker.errors import IndexUnavailableError
-from tracker.keys import NamespaceKeys
-from tracker.redis_index import RedisIndex
+from tracker.core.blocks import Namespace
+from tracker.core.keys import NamespaceKeys
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.errors import IndexUnavailableError
 
 NS = Namespace("llama", 16)
 OTHER = Namespace("qwen", 16)

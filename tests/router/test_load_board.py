@@ -7,7 +7,7 @@ import pytest
 from router.config import RouterSettings
 from router.load import LocalLoadBoard, RedisLoadBoard
 from router.service import load_board
-from tracker.backends import open_index
+from tracker.core.backends import open_index
 
 SETTINGS = RouterSettings(
     replica=("r1=tcp://127.0.0.1:9,url=http://127.0.0.1:9",),

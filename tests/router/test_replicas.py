@@ -11,9 +11,9 @@ from router.auth import KeyCheck, load_keys
 from router.config import RouterSettings
 from router.health import parse_engine_metrics
 from router.replicas import EngineLoad, ReplicaSet
-from tracker.errors import ConfigError
-from tracker.index import ReplicaRecord
-from tracker.replicas import ReplicaSpec
+from tracker.core.index import ReplicaRecord
+from tracker.core.replicas import ReplicaSpec
+from tracker.framework.errors import ConfigError
 
 STATIC = ReplicaSpec.parse("s0=tcp://h:5557,url=http://h:8000")
 

@@ -11,8 +11,8 @@ import redis.asyncio as redis
 from router.routefeed import RouteFeed
 from tests.factories import SIM
 from tests.procs import free_port
-from tracker.index import MemoryIndex
-from tracker.keys import NamespaceKeys
+from tracker.core.index import MemoryIndex
+from tracker.core.keys import NamespaceKeys
 
 pytestmark = pytest.mark.redis
 

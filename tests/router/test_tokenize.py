@@ -25,9 +25,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from router.segments import plan_segments
 from router.tokenize import PromptTokenizer
-from tracker.chat import CHATML_TEMPLATE
-from tracker.errors import TokenizationError
-from tracker.tokens import Tokenizer
+from tracker.core.chat import CHATML_TEMPLATE
+from tracker.core.tokens import Tokenizer
+from tracker.framework.errors import TokenizationError
 
 CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA = ["<s>", "</s>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from router.errors import UpstreamError, UpstreamTimeoutError
 from router.upstream import UpstreamClient, failure_kind, passthrough_headers
 from tests.procs import free_port
-from tracker.http import HTTPServer, bind
+from tracker.framework.http import HTTPServer, bind
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -28,7 +28,7 @@ from tests.router.harness import (
     wait_healthy,
     wait_until,
 )
-from tracker.errors import ConfigError
+from tracker.framework.errors import ConfigError
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]
 

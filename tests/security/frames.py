@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from tracker.events import (
+from tracker.core.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

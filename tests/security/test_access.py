@@ -15,7 +15,7 @@ from publishers.config import ReplicaSettings
 from router.auth import KeyCheck
 from router.config import RouterSettings
 from tests.router.harness import base_url, chat, engines, router
-from tracker.config import LookupSettings, TrackerSettings
+from tracker.ingest.config import LookupSettings, TrackerSettings
 
 pytestmark = pytest.mark.timeout(60)
 

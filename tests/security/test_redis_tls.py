@@ -23,10 +23,10 @@ import pytest
 
 from tests.factories import SIM, SMALL, batch, stored
 from tests.procs import KVROUTER, free_port, wait_for_port
-from tracker.blocks import block_keys
-from tracker.errors import IndexUnavailableError
-from tracker.index import ReplicaRecord
-from tracker.redis_index import RedisIndex
+from tracker.core.blocks import block_keys
+from tracker.core.index import ReplicaRecord
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.errors import IndexUnavailableError
 
 PASSWORD = "s3cret-redis-pw"
 TOKENS = list(range(1, 13))

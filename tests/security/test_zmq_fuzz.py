@@ -30,15 +30,15 @@ from prometheus_client import CollectorRegistry
 
 from tests.conftest import VECTORS
 from tests.security.frames import BLOCK_SIZE, FrameSource, load_golden
-from tracker.blocks import Namespace
-from tracker.config import TrackerSettings
-from tracker.errors import DecodeError
-from tracker.events import EventBatch, decode_batch, decode_message
-from tracker.index import MemoryIndex
-from tracker.metrics import TrackerMetrics
-from tracker.redis_index import RedisIndex
-from tracker.streams import ReplicaTarget
-from tracker.subscriber import Subscriber
+from tracker.core.blocks import Namespace
+from tracker.core.events import EventBatch, decode_batch, decode_message
+from tracker.core.index import MemoryIndex
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.errors import DecodeError
+from tracker.ingest.config import TrackerSettings
+from tracker.ingest.metrics import TrackerMetrics
+from tracker.ingest.streams import ReplicaTarget
+from tracker.ingest.subscriber import Subscriber
 
 NS = Namespace("fuzz", BLOCK_SIZE)  # the golden payloads' block size, not a shared shape
 SEED = int(os.environ.get("KVROUTER_FUZZ_SEED", "20240611"))
@@ -221,9 +221,9 @@ async def test_oversized_frames_on_the_bound_socket_are_refused(
     monkeypatch: pytest.MonkeyPatch, zctx: zmq.asyncio.Context
 ) -> None:
     """Bind mode: a frame over MAX_MESSAGE_BYTES is never decoded; its sender reconnects."""
-    import tracker.subscriber
+    import tracker.ingest.subscriber
 
-    monkeypatch.setattr(tracker.subscriber, "MAX_MESSAGE_BYTES", 1 << 20)
+    monkeypatch.setattr(tracker.ingest.subscriber, "MAX_MESSAGE_BYTES", 1 << 20)
     source = FrameSource(load_golden(VECTORS), SEED + 2)
     registry = CollectorRegistry()
     settings = TrackerSettings(

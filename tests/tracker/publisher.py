@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from tests.factories import batch
-from tracker.events import REPLAY_END_SEQ, Event, WireEra, encode_batch, encode_message
+from tracker.core.events import REPLAY_END_SEQ, Event, WireEra, encode_batch, encode_message
 
 END = REPLAY_END_SEQ.to_bytes(8, "big")
 

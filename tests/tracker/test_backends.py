@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tracker.backends import REDIS_SCHEMES, open_index
-from tracker.errors import ConfigError
-from tracker.index import MemoryIndex, ReplicaRecord
-from tracker.redis_client import CLUSTER_SCHEMES, SENTINEL_SCHEMES
-from tracker.redis_index import RedisIndex
+from tracker.core.backends import REDIS_SCHEMES, open_index
+from tracker.core.index import MemoryIndex, ReplicaRecord
+from tracker.core.redis_client import CLUSTER_SCHEMES, SENTINEL_SCHEMES
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.errors import ConfigError
 
 RECORD = ReplicaRecord(id="r1", model="llama", block_size=4, url="http://127.0.0.1:9")
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.factories import LLAMA
-from tracker.blocks import ChainCache, Namespace, block_keys, namespace_seed, token_bytes
+from tracker.core.blocks import ChainCache, Namespace, block_keys, namespace_seed, token_bytes
 
 TOKENS = list(range(100, 132))  # 8 blocks of 4
 

@@ -12,9 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import VECTORS
-from tracker import events as codec
-from tracker.errors import DecodeError
-from tracker.events import (
+from tracker.core import events as codec
+from tracker.core.events import (
     NEWEST_ERA,
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -32,6 +31,7 @@ from tracker.events import (
     external_hash_u64,
     wire_era,
 )
+from tracker.framework.errors import DecodeError
 
 U64 = (1 << 64) - 1
 END = b"\xff" * 8

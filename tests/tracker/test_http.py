@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from tracker.errors import ConfigError
-from tracker.http import HTTPServer, bind
+from tracker.framework.errors import ConfigError
+from tracker.framework.http import HTTPServer, bind
 
 
 async def test_accepted_connections_disable_nagle() -> None:

@@ -1,4 +1,7 @@
-"""The request-handler plumbing the router and the simulated engines share (tracker/http.py)."""
+"""The request-handler plumbing the router and the simulated engines share.
+
+It lives in tracker/framework/http.py.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from tracker.http import (
+from tracker.framework.http import (
     CLIENT_CLOSED,
     BodyLimitMiddleware,
     ClientWatch,

@@ -15,11 +15,11 @@ import pytest
 import xxhash
 
 from tests.factories import LLAMA, batch
-from tracker.blocks import Namespace, block_keys
-from tracker.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from tracker.index import BlockIndex, Match, MemoryIndex, ReplicaRecord
-from tracker.keys import home_anchors
-from tracker.redis_index import RedisIndex
+from tracker.core.blocks import Namespace, block_keys
+from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from tracker.core.index import BlockIndex, Match, MemoryIndex, ReplicaRecord
+from tracker.core.keys import home_anchors
+from tracker.core.redis_index import RedisIndex
 
 SEQ = list(range(1000, 1016))  # 4 blocks
 OTHER = list(range(2000, 2016))

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.factories import TINY, batch
-from tracker.blocks import block_keys
-from tracker.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from tracker.index import BlockIndex, MemoryIndex
-from tracker.redis_index import RedisIndex
+from tracker.core.blocks import block_keys
+from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from tracker.core.index import BlockIndex, MemoryIndex
+from tracker.core.redis_index import RedisIndex
 
 REPLICAS = ("r0", "r1", "r2")
 Prefix = tuple[tuple[int, int], ...]  # a chain of blocks, each two token ids

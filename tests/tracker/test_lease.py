@@ -27,11 +27,11 @@ from tests.tracker.test_subscriber import (
     settings,
     wait_until,
 )
-from tracker.config import TrackerSettings
-from tracker.errors import FencedError
-from tracker.lease import TrackerLease
-from tracker.redis_index import RedisIndex
-from tracker.service import TrackerService
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.errors import FencedError
+from tracker.ingest.config import TrackerSettings
+from tracker.ingest.lease import TrackerLease
+from tracker.ingest.service import TrackerService
 
 pytestmark = pytest.mark.redis
 

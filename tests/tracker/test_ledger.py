@@ -9,9 +9,9 @@ import pytest
 
 from tests import factories
 from tests.factories import TINY, removed
-from tracker.blocks import Namespace, block_keys, own_extra_keys
-from tracker.events import AllBlocksCleared, Event, UnknownEvent
-from tracker.ledger import EngineBlock, ReplicaLedger, Tier, tier_of
+from tracker.core.blocks import Namespace, block_keys, own_extra_keys
+from tracker.core.events import AllBlocksCleared, Event, UnknownEvent
+from tracker.core.ledger import EngineBlock, ReplicaLedger, Tier, tier_of
 
 TOKENS = [10, 11, 20, 21, 30, 31, 40, 41]
 KEYS = block_keys(TOKENS, TINY)

@@ -13,11 +13,16 @@ from prometheus_client import CollectorRegistry
 
 from router.service import RouterService
 from tests.router.harness import router_settings
-from tracker.config import TrackerSettings
-from tracker.errors import ConfigError
-from tracker.index import MemoryIndex
-from tracker.lifecycle import cancel_and_wait, loop_factory, run_on_loop, running_loop_name
-from tracker.service import TrackerService
+from tracker.core.index import MemoryIndex
+from tracker.framework.errors import ConfigError
+from tracker.framework.lifecycle import (
+    cancel_and_wait,
+    loop_factory,
+    run_on_loop,
+    running_loop_name,
+)
+from tracker.ingest.config import TrackerSettings
+from tracker.ingest.service import TrackerService
 
 
 async def _loop_module() -> str:

@@ -11,8 +11,8 @@ import pytest
 
 from tests.factories import LLAMA, batch, removed, stored
 from tests.procs import KVROUTER, free_port, kvrouter_env
-from tracker.blocks import block_keys
-from tracker.redis_index import RedisIndex
+from tracker.core.blocks import block_keys
+from tracker.core.redis_index import RedisIndex
 
 TOKENS = list(range(500, 516))  # 4 blocks of 4
 HASHES = [11, 12, 13, 14]

@@ -17,12 +17,12 @@ from bench.procs import RedisClusterNodes, sync_redis
 from router.load import RedisLoadBoard, new_router_id
 from tests.factories import LLAMA, batch
 from tests.tracker.test_redis_index import SEQ, exercise, matches, remove, store
-from tracker import keys as schema
-from tracker.blocks import Namespace, block_keys
-from tracker.errors import ConfigError, IndexUnavailableError
-from tracker.lease import TrackerLease
-from tracker.redis_client import ClusterURL, parse_cluster_url
-from tracker.redis_index import RedisIndex
+from tracker.core import keys as schema
+from tracker.core.blocks import Namespace, block_keys
+from tracker.core.redis_client import ClusterURL, parse_cluster_url
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.errors import ConfigError, IndexUnavailableError
+from tracker.ingest.lease import TrackerLease
 
 pytestmark = pytest.mark.redis
 

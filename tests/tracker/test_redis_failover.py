@@ -14,9 +14,9 @@ from bench.procs import SENTINEL_SERVICE, RedisSentinels
 from tests.factories import LLAMA, batch
 from tests.procs import RedisServer
 from tests.tracker.test_redis_index import OTHER, SEQ, matches, remove, store
-from tracker.errors import ConfigError, IndexUnavailableError
-from tracker.redis_client import SENTINEL_PORT, SentinelURL, open_redis, parse_sentinel_url
-from tracker.redis_index import RedisIndex
+from tracker.core.redis_client import SENTINEL_PORT, SentinelURL, open_redis, parse_sentinel_url
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.errors import ConfigError, IndexUnavailableError
 
 pytestmark = pytest.mark.redis
 

@@ -18,13 +18,13 @@ import redis
 
 from tests.factories import LLAMA, batch
 from tests.procs import RedisServer, free_port
-from tracker import keys as schema
-from tracker import lua
-from tracker.blocks import Namespace, block_keys
-from tracker.errors import ConfigError, IndexUnavailableError
-from tracker.events import BlockRemoved, BlockStored
-from tracker.index import ReplicaRecord
-from tracker.redis_index import OPS_PER_CALL, RedisIndex
+from tracker.core import keys as schema
+from tracker.core import lua
+from tracker.core.blocks import Namespace, block_keys
+from tracker.core.events import BlockRemoved, BlockStored
+from tracker.core.index import ReplicaRecord
+from tracker.core.redis_index import OPS_PER_CALL, RedisIndex
+from tracker.framework.errors import ConfigError, IndexUnavailableError
 
 SEQ = list(range(1000, 1016))  # 4 blocks
 OTHER = list(range(2000, 2016))
@@ -95,7 +95,7 @@ async def test_bucket_entries_hold_each_replicas_rid_and_tiers(
     index_factory: Any, redis_url: str
 ) -> None:
     """A block bucket's value is ``rid << 4 | tiers`` per replica (layout v2, the partition's
-    key prefix says so), as ``tracker.keys.bucket_entries`` reads it; a restored engine map
+    key prefix says so), as ``tracker.core.keys.bucket_entries`` reads it; a restored engine map
     keeps every tier's references."""
     index = index_factory()
     await index.apply("r1", LLAMA, batch(store(SEQ), offload(SEQ, 0)), 1)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tracker.errors import ConfigError
-from tracker.replicas import ReplicaSpec
+from tracker.core.replicas import ReplicaSpec
+from tracker.framework.errors import ConfigError
 
 
 @pytest.mark.parametrize(

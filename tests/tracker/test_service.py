@@ -29,11 +29,11 @@ from tests.tracker.test_subscriber import (
     settings,
     wait_until,
 )
-from tracker.blocks import Namespace
-from tracker.index import BlockIndex, MemoryIndex, ReplicaRecord
-from tracker.redis_index import RedisIndex
-from tracker.service import TrackerService, static_targets
-from tracker.streams import ReplicaTarget
+from tracker.core.blocks import Namespace
+from tracker.core.index import BlockIndex, MemoryIndex, ReplicaRecord
+from tracker.core.redis_index import RedisIndex
+from tracker.ingest.service import TrackerService, static_targets
+from tracker.ingest.streams import ReplicaTarget
 
 
 @pytest.fixture

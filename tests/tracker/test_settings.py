@@ -8,10 +8,10 @@ from collections.abc import Mapping
 
 import pytest
 
-from tracker.config import LookupSettings, TrackerSettings
-from tracker.errors import ConfigError
-from tracker.replicas import ReplicaSpec
-from tracker.settings import Settings, setting
+from tracker.core.replicas import ReplicaSpec
+from tracker.framework.errors import ConfigError
+from tracker.framework.settings import Settings, setting
+from tracker.ingest.config import LookupSettings, TrackerSettings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,15 +16,15 @@ from prometheus_client import CollectorRegistry
 from tests.factories import SMALL, removed, stored
 from tests.procs import RedisServer
 from tests.tracker.publisher import EventPublisher
-from tracker.blocks import Namespace, block_keys
-from tracker.config import TrackerSettings
-from tracker.errors import DecodeError
-from tracker.events import AllBlocksCleared, WireEra, encode_message
-from tracker.index import BlockIndex, MemoryIndex
-from tracker.metrics import TrackerMetrics
-from tracker.redis_index import RedisIndex
-from tracker.streams import ReplicaStream, ReplicaTarget
-from tracker.subscriber import Subscriber, parse_topic
+from tracker.core.blocks import Namespace, block_keys
+from tracker.core.events import AllBlocksCleared, WireEra, encode_message
+from tracker.core.index import BlockIndex, MemoryIndex
+from tracker.core.redis_index import RedisIndex
+from tracker.framework.errors import DecodeError
+from tracker.ingest.config import TrackerSettings
+from tracker.ingest.metrics import TrackerMetrics
+from tracker.ingest.streams import ReplicaStream, ReplicaTarget
+from tracker.ingest.subscriber import Subscriber, parse_topic
 
 ANY = "tcp://127.0.0.1:*"
 

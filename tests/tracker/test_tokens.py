@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from tracker.errors import ChatTemplateError, TokenizationError, TokenizerLoadError
-from tracker.tokens import Tokenizer
+from tracker.core.tokens import Tokenizer
+from tracker.framework.errors import ChatTemplateError, TokenizationError, TokenizerLoadError
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -2,7 +2,7 @@
 
 The index answers "which replica holds the longest contiguous prefix of this key chain?"
 and keeps the replica registry. :class:`MemoryIndex` serves a single process;
-:class:`tracker.redis_index.RedisIndex` is shared by any number of routers and trackers.
+:class:`tracker.core.redis_index.RedisIndex` is shared by any number of routers and trackers.
 Both pass the same contract tests (``tests/tracker/test_index_contract.py``).
 """
 
@@ -15,10 +15,10 @@ from typing import Any, ClassVar, Final, Protocol
 
 import msgspec
 
-from tracker.blocks import Namespace
-from tracker.events import EventBatch
-from tracker.keys import TIER_BITS, home_anchors
-from tracker.ledger import LedgerChanges, ReplicaLedger
+from tracker.core.blocks import Namespace
+from tracker.core.events import EventBatch
+from tracker.core.keys import TIER_BITS, home_anchors
+from tracker.core.ledger import LedgerChanges, ReplicaLedger
 
 _PREDICTION_SWEEP = 10_000
 
@@ -36,7 +36,7 @@ class Match(msgspec.Struct, frozen=True):
 
     Each block of the run counts in the cheapest tier the replica holds it in: ``gpu_blocks``
     + ``cpu_blocks`` + ``storage_blocks`` + ``remote_blocks`` == ``blocks``
-    (:class:`tracker.ledger.Tier`). ``predicted_blocks`` of the run are only predicted (the
+    (:class:`tracker.core.ledger.Tier`). ``predicted_blocks`` of the run are only predicted (the
     router sent a request with these blocks there and the engine's events have not confirmed
     them yet); they count as GPU.
     """
@@ -106,7 +106,7 @@ class Survey(msgspec.Struct, frozen=True):
     "" (zeros) when another router is present, whether or not it has load."""
     lookahead: dict[str, int] = msgspec.field(default_factory=dict)
     """Per replica whose engine hashes lookahead tokens (vLLM 0.33), how many: the routers
-    hash prompts the same way (:func:`tracker.blocks.block_keys`)."""
+    hash prompts the same way (:func:`tracker.core.blocks.block_keys`)."""
 
 
 class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,7 +183,7 @@ class BlockIndex(Protocol):
     ) -> None:
         """Record ``replica`` as the home of the anchor keys of a chain just routed there.
 
-        ``anchors`` are the keys at :func:`tracker.keys.home_anchors` positions. A claim
+        ``anchors`` are the keys at :func:`tracker.core.keys.home_anchors` positions. A claim
         outlives eviction (it says where a prefix was sent, not what is cached) and expires
         ``ttl_s`` after the last request that renewed it.
         """

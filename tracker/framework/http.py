@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tracker.errors import ConfigError
+from tracker.framework.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 _LATE_SWEEPS = 3

@@ -1,7 +1,7 @@
-"""Server-side Redis scripts of the index; key layout as documented in :mod:`tracker.keys`.
+"""Server-side Redis scripts of the index; key layout as documented in :mod:`tracker.core.keys`.
 
 Block-bucket values are strings of 2-byte entries, one per replica: ``rid << 4 | tiers``
-(``tiers`` bits: GPU, CPU, storage, remote; :class:`tracker.ledger.Tier`). Every key a call
+(``tiers`` bits: GPU, CPU, storage, remote; :class:`tracker.core.ledger.Tier`). Every key a call
 touches shares the hash tag of the keys it declares, so the scripts run unchanged on Redis
 Cluster.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from tracker.keys import BLOCK_BUCKET_BITS, ENGINE_BUCKETS, ENGINE_VALUE_BYTES, TIER_BITS
+from tracker.core.keys import BLOCK_BUCKET_BITS, ENGINE_BUCKETS, ENGINE_VALUE_BYTES, TIER_BITS
 
 # Bucket key names are derived here from the partition's key prefix (ARGV), so a call carries
 # a few large arguments instead of one per block (argument packing dominated client CPU).
@@ -184,7 +184,7 @@ local function pack_expiry(ms)
 end
 """
 
-# The shared router load (tracker.keys: ``load``), for router.load: PUT writes one router's
+# The shared router load (tracker.core.keys: ``load``), for router.load: PUT writes one router's
 # totals, load_snapshot sums the others' live entries, pruning expired ones.
 # KEYS: [load hash]; ARGV: [router id, ttl ms, then (replica, inflight, tokens, age ms)
 # quadruples]; age: how long ago the router sent its oldest request there that is still
@@ -275,12 +275,12 @@ LOAD_SNAPSHOT: Final = (
 # KEYS: [rname hash, optionally the load hash]; ARGV: [key prefix with hash tag, n x 8-byte
 # block key, with the load hash: the router id whose entries to skip, its presence's ttl ms]
 # Returns {matches, stats, homes, load, lookahead}: lookahead the partition's lookahead hash
-# (replica -> tokens after each block its engine hashes, tracker.keys); load_snapshot of the
+# (replica -> tokens after each block its engine hashes, tracker.core.keys); load_snapshot of the
 # load hash when given (one round
 # trip for a router's whole view), else empty; matches a flat array [replica, matched blocks,
 # matched GPU blocks, predicted blocks, ...]; stats the partition's whole stats hash
 # (HGETALL), for every replica; homes [replica, depth in blocks, age ms, ...]: the home
-# records of the chain's anchors (tracker.keys.home_anchors), walked from the first while each
+# records of the chain's anchors (tracker.core.keys.home_anchors), walked from the first while each
 # has one, every replica with the deepest anchor that names it.
 # Phase 1 walks real placements. Consecutive blocks held by the same replicas carry identical
 # values (Lua strings are interned, so comparing them is O(1)); such runs are counted without
@@ -602,7 +602,7 @@ return out
 """
 
 
-# The tracker election (tracker/lease.py). KEYS: [lease, fencing counter]. The lease holds
+# The tracker election (tracker/ingest/lease.py). KEYS: [lease, fencing counter]. The lease holds
 # "<fencing number> <tracker id>" and expires unless its holder renews it.
 # ARGV: [tracker id, ttl ms]. Returns the holder's fencing number when the caller holds the
 # lease now (newly won: the counter's next number), 0 when another tracker does.

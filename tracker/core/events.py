@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import msgspec
 
-from tracker.errors import DecodeError
+from tracker.framework.errors import DecodeError
 
 ExternalHash = int | bytes
 """A block hash as the engine puts it on the wire: uint64, signed int64, or digest bytes."""

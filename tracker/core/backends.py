@@ -1,20 +1,21 @@
 """Open the block index that a URL names: the one place every part decides between backends.
 
-No URL gives the in-process :class:`~tracker.index.MemoryIndex`; a Redis URL of any form that
-:mod:`tracker.redis_client` accepts gives the shared :class:`~tracker.redis_index.RedisIndex`.
-Redis is imported only when a Redis URL is opened, so commands that never use it start light.
+No URL gives the in-process :class:`~tracker.core.index.MemoryIndex`; a Redis URL of any form
+that :mod:`tracker.core.redis_client` accepts gives the shared
+:class:`~tracker.core.redis_index.RedisIndex`. Redis is imported only when a Redis URL is
+opened, so commands that never use it start light.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final, overload
 
-from tracker.errors import ConfigError
-from tracker.index import BlockIndex, MemoryIndex
-from tracker.settings import redact_url
+from tracker.core.index import BlockIndex, MemoryIndex
+from tracker.framework.errors import ConfigError
+from tracker.framework.settings import redact_url
 
 if TYPE_CHECKING:
-    from tracker.redis_index import RedisIndex
+    from tracker.core.redis_index import RedisIndex
 
 REDIS_SCHEMES: Final = (
     "redis",
@@ -35,8 +36,8 @@ def open_index(url: str, *, timeout_s: float = ...) -> RedisIndex: ...
 @overload
 def open_index(url: str | None, *, timeout_s: float = ...) -> BlockIndex: ...
 def open_index(url: str | None, *, timeout_s: float = 2.0) -> BlockIndex:
-    """The index at ``url``: a fresh :class:`~tracker.index.MemoryIndex` for ``None``,
-    otherwise the shared index of :meth:`tracker.redis_index.RedisIndex.from_url`, which
+    """The index at ``url``: a fresh :class:`~tracker.core.index.MemoryIndex` for ``None``,
+    otherwise the shared index of :meth:`tracker.core.redis_index.RedisIndex.from_url`, which
     connects on first use.
 
     The caller owns the index and closes it (``await index.close()``).
@@ -50,6 +51,6 @@ def open_index(url: str | None, *, timeout_s: float = 2.0) -> BlockIndex:
     if not separator or scheme.lower() not in REDIS_SCHEMES:
         expected = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
         raise ConfigError(f"not a Redis URL: {redact_url(url)!r} (expected {expected})")
-    from tracker.redis_index import RedisIndex  # noqa: PLC0415 - redis only when used
+    from tracker.core.redis_index import RedisIndex  # noqa: PLC0415 - redis only when used
 
     return RedisIndex.from_url(url, timeout_s=timeout_s)

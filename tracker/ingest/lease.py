@@ -11,8 +11,8 @@ A lease alone does not stop a tracker that was paused (a stop-the-world pause, a
 partition) from writing after its lease expired. So each win also draws a **fencing
 number** (``INCR``), every index write carries it, and the index refuses a write whose
 number is below the highest that has written the partition
-(:data:`tracker.lua.APPLY_FENCED`). The new tracker raises every known partition's fence
-before it reads any ledger back (:meth:`tracker.redis_index.RedisIndex.claim_partitions`),
+(:data:`tracker.core.lua.APPLY_FENCED`). The new tracker raises every known partition's fence
+before it reads any ledger back (:meth:`tracker.core.redis_index.RedisIndex.claim_partitions`),
 so from then on the old one cannot change what it reads. The old one learns it lost at its
 next renewal or its next write, whichever comes first, and stops (exit status 1: let the
 supervisor restart it, as a standby).
@@ -26,9 +26,9 @@ import socket
 
 import redis.asyncio as redis
 
-from tracker import keys as schema
-from tracker import lua
-from tracker.redis_client import redis_call
+from tracker.core import keys as schema
+from tracker.core import lua
+from tracker.core.redis_client import redis_call
 
 
 class TrackerLease:

@@ -1,6 +1,6 @@
 """Redis clients from a URL: one server, or the primary that a Sentinel quorum names.
 
-Every part opens Redis here (through :meth:`tracker.redis_index.RedisIndex.from_url`), so a
+Every part opens Redis here (through :meth:`tracker.core.redis_index.RedisIndex.from_url`), so a
 URL works the same for the tracker, the routers, the replicas' registration and
 ``kvrouter lookup``:
 
@@ -41,8 +41,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from tracker.errors import ConfigError, IndexUnavailableError
-from tracker.settings import redact_url
+from tracker.framework.errors import ConfigError, IndexUnavailableError
+from tracker.framework.settings import redact_url
 
 SENTINEL_PORT: Final = 26379
 REDIS_PORT: Final = 6379
@@ -54,7 +54,7 @@ _SENTINEL: Any = Sentinel
 
 async def redis_call(what: str, coro: Awaitable[Any]) -> Any:
     """Await a Redis command; any Redis or socket failure becomes
-    :class:`~tracker.errors.IndexUnavailableError` naming ``what`` failed."""
+    :class:`~tracker.framework.errors.IndexUnavailableError` naming ``what`` failed."""
     try:
         return await coro
     except (RedisError, OSError) as exc:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
-from tracker import logs
-from tracker.errors import ConfigError
-from tracker.settings import Settings
+from tracker.framework import logs
+from tracker.framework.errors import ConfigError
+from tracker.framework.settings import Settings
 
 S = TypeVar("S", bound=Settings)
 

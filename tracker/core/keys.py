@@ -12,7 +12,7 @@ key                             type   content
 ==============================  =====  ===================================================
 ``Q:T:b:<bucket hex4>``         HASH   field: block key (8 bytes BE) -> value: 2 bytes per
                                        replica holding it, ``rid << 4 | tiers`` (bits: GPU,
-                                       CPU, storage, remote; ``tracker.ledger.Tier``)
+                                       CPU, storage, remote; ``tracker.core.ledger.Tier``)
 ``Q:T:e:<rid>:<bucket>``       HASH   a replica's engine map: field: engine hash (8 bytes
                                        BE) -> value: block key (8 B) + references per tier
                                        (GPU, CPU, storage, remote: 2 B each)
@@ -69,7 +69,7 @@ from typing import Final
 
 import xxhash
 
-from tracker.blocks import Namespace
+from tracker.core.blocks import Namespace
 
 PREFIX: Final = "kvr:v1"
 PARTITION_PREFIX: Final = "kvr:v2"
@@ -186,7 +186,7 @@ def home_anchors(blocks: int) -> list[int]:
 
 def bucket_entries(value: bytes) -> Iterator[tuple[int, int]]:
     """The ``(rid, tiers)`` entries of a block-bucket value (for operators' tools and tests;
-    the scripts in :mod:`tracker.lua` read them in Lua)."""
+    the scripts in :mod:`tracker.core.lua` read them in Lua)."""
     mask = (1 << TIER_BITS) - 1
     for i in range(0, len(value) - 1, 2):
         word = value[i] << 8 | value[i + 1]

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
-from tracker.blocks import Namespace, block_keys, own_extra_keys
-from tracker.events import (
+from tracker.core.blocks import Namespace, block_keys, own_extra_keys
+from tracker.core.events import (
     LOCALITIES,
     LOCALITY_REMOTE,
     MEDIUM_CPU,
@@ -28,7 +28,7 @@ from tracker.events import (
     Event,
     external_hash_u64,
 )
-from tracker.keys import ENGINE_VALUE_BYTES, TIER_BITS
+from tracker.core.keys import ENGINE_VALUE_BYTES, TIER_BITS
 
 logger = logging.getLogger(__name__)
 

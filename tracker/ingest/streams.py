@@ -28,10 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final
 
-from tracker.blocks import Namespace
-from tracker.config import TrackerSettings
-from tracker.errors import DecodeError, IndexUnavailableError
-from tracker.events import (
+from tracker.core.blocks import Namespace
+from tracker.core.events import (
     NEWEST_ERA,
     BlockStored,
     EventBatch,
@@ -40,10 +38,12 @@ from tracker.events import (
     decode_batch,
     wire_era,
 )
-from tracker.index import BlockIndex
-from tracker.metrics import TrackerMetrics
-from tracker.replay import ReplayClient, ReplayResult
-from tracker.writes import IndexWriter
+from tracker.core.index import BlockIndex
+from tracker.framework.errors import DecodeError, IndexUnavailableError
+from tracker.ingest.config import TrackerSettings
+from tracker.ingest.metrics import TrackerMetrics
+from tracker.ingest.replay import ReplayClient, ReplayResult
+from tracker.ingest.writes import IndexWriter
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""Redis-backed block index shared by every router and tracker; layout in :mod:`tracker.keys`.
+"""Redis-backed block index shared by every router and tracker; layout in :mod:`tracker.core.keys`.
 
-Writes: each batch becomes one ``EVALSHA`` of :data:`tracker.lua.APPLY` (idempotent
+Writes: each batch becomes one ``EVALSHA`` of :data:`tracker.core.lua.APPLY` (idempotent
 placements, engine-map updates and the sequence checkpoint, atomically). Reads: one
-``EVALSHA`` of :data:`tracker.lua.LOOKUP` walks the chain server-side and stops at the first
+``EVALSHA`` of :data:`tracker.core.lua.LOOKUP` walks the chain server-side and stops at the first
 block no replica holds, so a lookup is one round trip whatever the chain length.
 
-A tracker owns the :class:`~tracker.ledger.ReplicaLedger` of the replicas it consumes; the
+A tracker owns the :class:`~tracker.core.ledger.ReplicaLedger` of the replicas it consumes; the
 ledger is rebuilt from the persisted engine map after a restart. When Redis is unreachable
 the ledger keeps absorbing events and their effect is kept as pending changes, flushed (they
 are idempotent) as soon as Redis answers again.
@@ -26,14 +26,22 @@ import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from tracker import keys as schema
-from tracker import lua
-from tracker.blocks import Namespace
-from tracker.errors import FencedError, IndexUnavailableError
-from tracker.events import EventBatch
-from tracker.index import LOAD_TTL_S, ApplyResult, Home, Match, ReplicaRecord, Residency, Survey
-from tracker.ledger import EngineBlock, LedgerChanges, ReplicaLedger
-from tracker.redis_client import RedisConnection, open_redis, redis_call
+from tracker.core import keys as schema
+from tracker.core import lua
+from tracker.core.blocks import Namespace
+from tracker.core.events import EventBatch
+from tracker.core.index import (
+    LOAD_TTL_S,
+    ApplyResult,
+    Home,
+    Match,
+    ReplicaRecord,
+    Residency,
+    Survey,
+)
+from tracker.core.ledger import EngineBlock, LedgerChanges, ReplicaLedger
+from tracker.core.redis_client import RedisConnection, open_redis, redis_call
+from tracker.framework.errors import FencedError, IndexUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +82,7 @@ def _ms(seconds: float) -> int:
 
 
 def load_sums(reply: Sequence[Any]) -> dict[str, tuple[int, int, int]]:
-    """A load snapshot's reply (``tracker.lua`` ``load_snapshot``: replica, in flight, queued
+    """A load snapshot's reply (``tracker.core.lua`` ``load_snapshot``: replica, in flight, queued
     tokens, age ms of the oldest still prefilling, ...) per replica; replica "" is another
     router's presence."""
     return {
@@ -169,7 +177,7 @@ class RedisIndex:
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 2.0) -> RedisIndex:
         """Open the index at ``url``: a server, a Sentinel-monitored primary or a Redis
-        Cluster (:func:`tracker.redis_client.open_redis`)."""
+        Cluster (:func:`tracker.core.redis_client.open_redis`)."""
         connection = open_redis(url, timeout_s=timeout_s)
         return cls(connection.client, connection)
 

@@ -8,16 +8,16 @@ import re
 import sys
 from pathlib import Path
 
-from tracker.backends import open_index
-from tracker.blocks import Namespace, block_keys
-from tracker.cli import Command
-from tracker.config import LookupSettings, TrackerSettings
-from tracker.errors import ConfigError, IndexUnavailableError
-from tracker.index import describe_match
+from tracker.core.backends import open_index
+from tracker.core.blocks import Namespace, block_keys
+from tracker.core.index import describe_match
+from tracker.framework.cli import Command
+from tracker.framework.errors import ConfigError, IndexUnavailableError
+from tracker.ingest.config import LookupSettings, TrackerSettings
 
 
 def _run_tracker(settings: TrackerSettings) -> int:
-    from tracker.service import run  # noqa: PLC0415 - keep `kvrouter --help` light
+    from tracker.ingest.service import run  # noqa: PLC0415 - keep `kvrouter --help` light
 
     return run(settings)
 

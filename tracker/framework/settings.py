@@ -14,7 +14,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Self, Union, get_args, get_origin, get_type_hints
 
-from tracker.errors import ConfigError
+from tracker.framework.errors import ConfigError
 
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/?#\s]*@")
 

@@ -9,7 +9,7 @@ import signal
 from collections.abc import Callable, Collection, Coroutine
 from typing import Any, Final, Protocol, TypeVar
 
-from tracker.errors import ConfigError
+from tracker.framework.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

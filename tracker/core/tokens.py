@@ -20,7 +20,7 @@ import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from tracker.chat import (
+from tracker.core.chat import (
     CHATML_TEMPLATE,
     ChatTemplate,
     Message,
@@ -29,7 +29,7 @@ from tracker.chat import (
     read_template,
     token_text,
 )
-from tracker.errors import ChatTemplateError, TokenizationError, TokenizerLoadError
+from tracker.framework.errors import ChatTemplateError, TokenizationError, TokenizerLoadError
 
 BUILTIN_SPECIAL_TOKENS: Final = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 

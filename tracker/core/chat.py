@@ -20,7 +20,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tracker.errors import ChatTemplateError, TokenizationError, TokenizerLoadError
+from tracker.framework.errors import ChatTemplateError, TokenizationError, TokenizerLoadError
 
 CHATML_TEMPLATE: Final = (
     "{% if tools %}<|im_start|>system\n# Tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"

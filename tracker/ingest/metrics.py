@@ -8,7 +8,7 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tracker.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 RESET_CAUSES: Final = (
     "seq_reset",

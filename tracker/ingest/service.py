@@ -21,20 +21,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tracker.backends import open_index
-from tracker.blocks import Namespace
-from tracker.config import TrackerSettings
-from tracker.errors import ConfigError, FencedError, IndexUnavailableError
-from tracker.http import HTTPServer, bind
-from tracker.index import BlockIndex, ReplicaRecord
-from tracker.lifecycle import freeze_heap, run_on_loop, run_until_signalled, running_loop_name
-from tracker.metrics import TrackerMetrics
-from tracker.streams import ReplicaTarget
-from tracker.subscriber import Subscriber
+from tracker.core.backends import open_index
+from tracker.core.blocks import Namespace
+from tracker.core.index import BlockIndex, ReplicaRecord
+from tracker.framework.errors import ConfigError, FencedError, IndexUnavailableError
+from tracker.framework.http import HTTPServer, bind
+from tracker.framework.lifecycle import (
+    freeze_heap,
+    run_on_loop,
+    run_until_signalled,
+    running_loop_name,
+)
+from tracker.ingest.config import TrackerSettings
+from tracker.ingest.metrics import TrackerMetrics
+from tracker.ingest.streams import ReplicaTarget
+from tracker.ingest.subscriber import Subscriber
 
 if TYPE_CHECKING:
-    from tracker.lease import TrackerLease
-    from tracker.redis_index import RedisMemory
+    from tracker.core.redis_index import RedisMemory
+    from tracker.ingest.lease import TrackerLease
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +91,8 @@ class TrackerService:
         lease: TrackerLease | None = None,
     ) -> None:
         """:param freeze: the service owns its process: freeze the start-up heap once it
-        runs (:func:`tracker.lifecycle.freeze_heap`).
-        :param lease: take part in this tracker election (:mod:`tracker.lease`): stand by
+        runs (:func:`tracker.framework.lifecycle.freeze_heap`).
+        :param lease: take part in this tracker election (:mod:`tracker.ingest.lease`): stand by
             until the lease is won, stop when it is lost; None: apply events from the start.
         """
         self.settings = settings
@@ -501,8 +506,8 @@ async def serve(settings: TrackerSettings) -> int:
     index = open_index(settings.redis or None)
     lease: TrackerLease | None = None
     if settings.lease_ttl_s:  # TrackerSettings allows a lease only with --redis
-        from tracker.lease import TrackerLease  # noqa: PLC0415 - redis only when used
-        from tracker.redis_index import RedisIndex  # noqa: PLC0415
+        from tracker.core.redis_index import RedisIndex  # noqa: PLC0415
+        from tracker.ingest.lease import TrackerLease  # noqa: PLC0415 - redis only when used
 
         assert isinstance(index, RedisIndex)
         lease = TrackerLease(index.client, settings.election, settings.lease_ttl_s)

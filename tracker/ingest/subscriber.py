@@ -7,8 +7,8 @@ Two ways in, usable together:
   topic names the replica, either ``<id>`` or llm-d style ``kv@<id>@<model>``.
 
 Frames are split here; sequence handling, replay and fencing live in
-:class:`tracker.streams.ReplicaStream`, index writes and their retries in
-:class:`tracker.writes.IndexWriter`.
+:class:`tracker.ingest.streams.ReplicaStream`, index writes and their retries in
+:class:`tracker.ingest.writes.IndexWriter`.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from typing import Any, Final
 import zmq
 import zmq.asyncio
 
-from tracker.blocks import Namespace
-from tracker.config import TrackerSettings
-from tracker.errors import DecodeError
-from tracker.events import decode_message
-from tracker.index import BlockIndex
-from tracker.metrics import TrackerMetrics
-from tracker.replay import ReplayClient
-from tracker.streams import ReplicaStream, ReplicaTarget
-from tracker.writes import IndexWriter
+from tracker.core.blocks import Namespace
+from tracker.core.events import decode_message
+from tracker.core.index import BlockIndex
+from tracker.framework.errors import DecodeError
+from tracker.ingest.config import TrackerSettings
+from tracker.ingest.metrics import TrackerMetrics
+from tracker.ingest.replay import ReplayClient
+from tracker.ingest.streams import ReplicaStream, ReplicaTarget
+from tracker.ingest.writes import IndexWriter
 
 logger = logging.getLogger(__name__)
 

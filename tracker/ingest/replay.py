@@ -2,7 +2,7 @@
 
 A request is ``[b"", start_seq (8 bytes BE)]``; the publisher answers one message per
 buffered batch with ``seq >= start_seq`` in order, then an end marker. Both reply layouts
-vLLM has shipped are accepted (:func:`tracker.events.decode_replay_reply`). DEALER, not REQ:
+vLLM has shipped are accepted (:func:`tracker.core.events.decode_replay_reply`). DEALER, not REQ:
 a REQ socket would keep only the first reply.
 """
 
@@ -16,9 +16,9 @@ from typing import Final
 import zmq
 import zmq.asyncio
 
-from tracker.errors import DecodeError
-from tracker.events import Message, decode_replay_reply
-from tracker.metrics import TrackerMetrics
+from tracker.core.events import Message, decode_replay_reply
+from tracker.framework.errors import DecodeError
+from tracker.ingest.metrics import TrackerMetrics
 
 logger = logging.getLogger(__name__)
 
