@@ -2,7 +2,7 @@
 what one Redis primary serves (blocks applied and router requests per Redis core-second).
 
 Run: ``.venv/bin/python -m bench.index_bench`` (starts its own redis-server on loopback, or
-pass ``--redis URL``). Reports one JSON document and a table; targets are from issue 2:
+pass ``--redis URL``). Reports one JSON document and a table; the targets:
 >= 100,000 blocks/s into Redis per tracker process, lookup p99 <= 1 ms for a 512-block chain
 over 8 replicas, <= 100 bytes of Redis memory per (block, replica).
 """

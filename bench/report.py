@@ -265,7 +265,7 @@ def add_ratios(summaries: dict[str, Summary]) -> None:
 
 @dataclass(frozen=True)
 class Goal:
-    """One target of the benchmark issue and whether this run met it."""
+    """One routing goal and whether this run met it."""
 
     name: str
     target: str
@@ -278,7 +278,7 @@ def _goal(name: str, target: str, measured: float, met: bool) -> Goal:
 
 
 def goals(workload: str, summaries: dict[str, Summary]) -> list[Goal]:
-    """The issue's goals that this run's workload and policies can check."""
+    """The routing goals that this run's workload and policies can check."""
     out: list[Goal] = []
     kv = summaries.get("kvrouter")
     if kv is None:

@@ -1,15 +1,14 @@
 """Router benchmark: decision overhead per stage, proxy throughput and per-chunk latency.
 
-Run: ``.venv/bin/python -m bench.router_bench`` (``--quick`` for a short run). Targets are
-from issue 4. Decision overhead is measured through the router's own objects
-(:class:`router.app.Router` from :class:`~router.config.RouterSettings`, its
-:class:`~router.placement.Placer`), against a private redis-server on loopback holding 8
-replicas' placements of each prompt's prefix, with a byte-level BPE tokenizer trained at
-start (:mod:`bench.corpus`): repeated prefix + a new ~100-token question p99 <= 2 ms at 8k
-tokens and <= 10 ms at 100k; never-seen text <= 1.2x the raw tokenizer (one HF ``encode``
-of the rendered prompt, one thread). The proxy part (:mod:`bench.proxy_load`) starts real
-processes and compares the router with direct requests to the engines. Writes
-bench/results/router.json and prints two tables.
+Run: ``.venv/bin/python -m bench.router_bench`` (``--quick`` for a short run). Decision
+overhead is measured through the router's own objects (:class:`router.app.Router` from
+:class:`~router.config.RouterSettings`, its :class:`~router.placement.Placer`), against a
+private redis-server on loopback holding 8 replicas' placements of each prompt's prefix,
+with a byte-level BPE tokenizer trained at start (:mod:`bench.corpus`): repeated prefix + a
+new ~100-token question p99 <= 2 ms at 8k tokens and <= 10 ms at 100k; never-seen text <=
+1.2x the raw tokenizer (one HF ``encode`` of the rendered prompt, one thread). The proxy
+part (:mod:`bench.proxy_load`) starts real processes and compares the router with direct
+requests to the engines. Writes bench/results/router.json and prints two tables.
 """
 
 from __future__ import annotations
