@@ -282,7 +282,7 @@ async def make_bench(
 ) -> Bench:
     """A router over Redis (``settings.redis``) or the embedded index, with placements."""
     index = open_index(settings.redis)
-    load = load_board(index, settings)
+    load = load_board(settings, index.client if isinstance(index, RedisIndex) else None)
     router = Router(settings, index=index, registry=CollectorRegistry(), load=load, tokenizers=book)
     await populate_background(index, blocks, seed=3)
     return Bench(name, router, workload, index)

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import signal
 import socket
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -30,7 +31,7 @@ from router.routefeed import REFRESH_S as ROUTE_REFRESH_S
 from router.routefeed import RouteFeed
 from router.tokenize import TokenizerBook
 from tracker.core.backends import open_index
-from tracker.core.index import BlockIndex, MemoryIndex
+from tracker.core.index import BlockIndex
 from tracker.core.redis_client import RedisConnection, open_redis
 from tracker.framework.http import HTTPServer, bind
 from tracker.framework.lifecycle import (
@@ -41,6 +42,9 @@ from tracker.framework.lifecycle import (
 )
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.embedded import EmbeddedTracker, start_embedded
+
+if TYPE_CHECKING:
+    import redis.asyncio as redis
 
 logger = logging.getLogger(__name__)
 
@@ -59,23 +63,25 @@ def tracker_settings(settings: RouterSettings) -> TrackerSettings:
     )
 
 
-def load_board(index: BlockIndex, settings: RouterSettings) -> LoadBoard:
-    """The load board that goes with ``index``: for a shared (Redis) index, a
-    :class:`~router.load.RedisLoadBoard` on the index's client, as ``settings.router_id``,
-    with ``settings.lease_ttl_s`` and ``settings.load_renew_s``; otherwise a
+def load_board(
+    settings: RouterSettings, client: redis.Redis | None = None, *, view_refresh_s: float = 0.0
+) -> LoadBoard:
+    """The router's load board: with a Redis ``client``, a
+    :class:`~router.load.RedisLoadBoard` shared with every other router, as
+    ``settings.router_id``, with ``settings.lease_ttl_s`` and ``settings.load_renew_s`` (and
+    ``view_refresh_s``: > 0 reads the others' load in the background); without, a
     :class:`~router.load.LocalLoadBoard` of this process alone.
 
-    :raises ValueError: for a shared index and no ``settings.router_id``.
+    :raises ValueError: with a client and no ``settings.router_id``.
     """
-    from tracker.core.redis_index import RedisIndex  # noqa: PLC0415 - only when used
-
-    if not isinstance(index, RedisIndex):
+    if client is None:
         return LocalLoadBoard()
     return RedisLoadBoard(
-        index.client,
+        client,
         settings.router_id or "",
         lease_ttl_s=settings.lease_ttl_s,
         renew_interval_s=settings.load_renew_s,
+        view_refresh_s=view_refresh_s,
     )
 
 
@@ -122,25 +128,25 @@ class RouterService:
         settings = self.settings
         try:
             feed: RouteFeed | None = None
-            self.index = open_index(None if settings.local_index else settings.redis or None)
-            load = load_board(self.index, settings)
-            if isinstance(self.index, MemoryIndex):  # the index is this process's own
+            load: LoadBoard
+            if settings.redis and not settings.local_index:  # the shared index
+                index = open_index(settings.redis)
+                self.index = index
+                load = load_board(settings, index.client)
+            else:  # the index is this process's own; load and routes shared through Redis
+                self.index = open_index(None)
+                client: redis.Redis | None = None
                 if settings.redis:
                     self._redis = open_redis(settings.redis)
-                    load = RedisLoadBoard(
-                        self._redis.client,
-                        self.router_id,
-                        lease_ttl_s=settings.lease_ttl_s,
-                        renew_interval_s=settings.load_renew_s,
-                        view_refresh_s=settings.load_refresh_ms / 1000,
-                    )
+                    client = self._redis.client
                     feed = RouteFeed(
-                        self._redis.client,
+                        client,
                         self.router_id,
                         self.index,
                         refresh_s=settings.load_refresh_ms / 1000 or ROUTE_REFRESH_S,
                         since_s=settings.home_ttl_s,
                     )
+                load = load_board(settings, client, view_refresh_s=settings.load_refresh_ms / 1000)
                 if settings.replica:
                     self.tracker = await start_embedded(
                         tracker_settings(settings), self.index, self.registry

@@ -1,4 +1,4 @@
-"""load_board: the load board that goes with the index a router opened."""
+"""load_board: the router's own load board, or one shared through a Redis client."""
 
 from __future__ import annotations
 
@@ -17,16 +17,14 @@ SETTINGS = RouterSettings(
 )
 
 
-async def test_an_in_process_index_gets_a_board_of_its_own() -> None:
-    index = open_index(None)
-    assert isinstance(load_board(index, SETTINGS), LocalLoadBoard)
-    await index.close()
+def test_without_redis_a_router_has_a_board_of_its_own() -> None:
+    assert isinstance(load_board(SETTINGS), LocalLoadBoard)
 
 
 async def test_a_shared_index_shares_the_load_through_its_client(redis_url: str) -> None:
     index = open_index(redis_url)
     try:
-        board = load_board(index, SETTINGS)
+        board = load_board(SETTINGS, index.client)
         assert isinstance(board, RedisLoadBoard)
         assert board.client is index.client
         assert (board.router_id, board.lease_ttl_s, board.renew_interval_s) == (
@@ -34,6 +32,10 @@ async def test_a_shared_index_shares_the_load_through_its_client(redis_url: str)
             3.0,
             0.5,
         )
+        assert board.view_refresh_s == 0.0
+        background = load_board(SETTINGS, index.client, view_refresh_s=0.01)
+        assert isinstance(background, RedisLoadBoard)
+        assert background.view_refresh_s == 0.01
     finally:
         await index.close()
 
@@ -42,6 +44,6 @@ async def test_a_shared_board_needs_the_router_id(redis_url: str) -> None:
     index = open_index(redis_url)
     try:
         with pytest.raises(ValueError, match="router_id"):
-            load_board(index, RouterSettings(replica=SETTINGS.replica))
+            load_board(RouterSettings(replica=SETTINGS.replica), index.client)
     finally:
         await index.close()
