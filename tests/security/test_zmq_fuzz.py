@@ -37,8 +37,8 @@ from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import DecodeError
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
-from tracker.ingest.streams import ReplicaTarget
 from tracker.ingest.subscriber import Subscriber
+from tracker.ingest.targets import ReplicaTarget
 
 NS = Namespace("fuzz", BLOCK_SIZE)  # the golden payloads' block size, not a shared shape
 SEED = int(os.environ.get("KVROUTER_FUZZ_SEED", "20240611"))

@@ -33,7 +33,7 @@ from tracker.core.blocks import Namespace
 from tracker.core.index import BlockIndex, MemoryIndex, ReplicaRecord
 from tracker.core.redis_index import RedisIndex
 from tracker.ingest.service import TrackerService, static_targets
-from tracker.ingest.streams import ReplicaTarget
+from tracker.ingest.targets import ReplicaTarget
 
 
 @pytest.fixture

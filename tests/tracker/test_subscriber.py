@@ -23,8 +23,9 @@ from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import DecodeError
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
-from tracker.ingest.streams import ReplicaStream, ReplicaTarget
+from tracker.ingest.streams import ReplicaStream
 from tracker.ingest.subscriber import Subscriber, parse_topic
+from tracker.ingest.targets import ReplicaTarget
 
 ANY = "tcp://127.0.0.1:*"
 

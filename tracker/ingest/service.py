@@ -34,8 +34,8 @@ from tracker.framework.lifecycle import (
 )
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
-from tracker.ingest.streams import ReplicaTarget
 from tracker.ingest.subscriber import Subscriber
+from tracker.ingest.targets import ReplicaTarget
 
 if TYPE_CHECKING:
     from tracker.core.redis_index import RedisMemory

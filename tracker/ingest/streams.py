@@ -16,7 +16,8 @@ and above ``live_high``
 =====================================  ================================================
 
 While a replay runs, live messages keep queueing; afterwards those already covered are
-skipped. A malformed batch is counted and skipped but still advances ``last``.
+skipped. A malformed batch is counted and skipped but still advances ``last``. Applying,
+replaying and clearing themselves are :class:`tracker.ingest.applier.ReplicaApplier`'s.
 """
 
 from __future__ import annotations
@@ -28,21 +29,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final
 
-from tracker.core.blocks import Namespace
-from tracker.core.events import (
-    NEWEST_ERA,
-    BlockStored,
-    EventBatch,
-    Message,
-    WireEra,
-    decode_batch,
-    wire_era,
-)
-from tracker.core.index import BlockIndex
-from tracker.framework.errors import DecodeError, IndexUnavailableError
+from tracker.core.events import Message
+from tracker.framework.errors import IndexUnavailableError
+from tracker.ingest.applier import ReplicaApplier
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
-from tracker.ingest.replay import ReplayClient, ReplayResult
+from tracker.ingest.replay import ReplayClient
+from tracker.ingest.targets import ReplicaTarget
 from tracker.ingest.writes import IndexWriter
 
 logger = logging.getLogger(__name__)
@@ -51,22 +44,7 @@ MAX_QUEUE: Final = 100_000
 """Live messages a replica may have waiting; beyond, they are dropped (and later replayed)."""
 
 
-_SNIFF_EVERY: Final = 64
 SILENT_POLL_S: Final = 1.0  # replay poll interval while a live stream is silent
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaTarget:
-    """A replica to consume: where its events come from and what it serves.
-
-    ``events`` is ``None`` for replicas that publish into the tracker's bound socket.
-    """
-
-    id: str
-    namespace: Namespace
-    events: str | None = None
-    replay: str | None = None
-    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +63,7 @@ _TICK: Final = _Tick()
 Item = Message | Fence | None
 
 
-class ReplicaStream:
+class ReplicaStream(ReplicaApplier):
     """Applies one replica's batches to the index in sequence order.
 
     Args:
@@ -105,40 +83,17 @@ class ReplicaStream:
         replay: ReplayClient,
         settings: TrackerSettings,
     ) -> None:
-        self.target = target
-        self._index: BlockIndex = writer.index
-        self._writer = writer
-        self._metrics = metrics
-        self._replay = replay
+        super().__init__(target, writer=writer, metrics=metrics, replay=replay)
         self._cooldown_s = settings.resync_cooldown_s
         self._silence_s = settings.silence_check_s
         self._unverified_s = settings.unverified_after_s
-        self._live_at = time.monotonic()  # last live message (or start)
+        self._live_at = self._heard_at  # last live message (or start)
         self._checked_at = self._live_at
-        self._heard_at = self._live_at  # last live message or replay answer (or start)
         self.silent = False
-        self.unverified = False
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
-        self.last: int | None = None
         self.live_high: int | None = None
-        self.covered: tuple[int, int] | None = None
-        self.blocks = 0
         self.primed = False
-        self.resync_blocked = False
-        self._orphaned = False
         self._last_resync = -math.inf
-        self.era: WireEra | None = None
-        self.lookahead = 0  # tokens after each block its hash covers (_note_lookahead)
-        self._lookahead_written = False  # the first batch says it, 0 too (clears a stale one)
-        self._applied = 0
-
-    @property
-    def id(self) -> str:
-        return self.target.id
-
-    @property
-    def namespace(self) -> Namespace:
-        return self.target.namespace
 
     # ----------------------------------------------------------- producer side
 
@@ -237,24 +192,6 @@ class ReplicaStream:
             await self._catch_up()
         self.primed = True
 
-    async def _catch_up(self) -> bool:
-        """Replay what was missed while nobody listened (tracker restart, fence, a silent
-        live stream); whether the replay had any batch past the checkpoint."""
-        start = 0 if self.last is None else self.last + 1
-        fetched = await self._fetch(start)
-        if fetched is None:
-            return False  # best effort: the first live message takes the regular path
-        messages = fetched.messages
-        if not fetched.complete and self.last is not None:
-            self._gap(messages[0].seq - start)
-            logger.warning(
-                "events since the checkpoint are gone",
-                extra={"replica": self.id, "checkpoint": self.last, "first": messages[0].seq},
-            )
-            await self._clear("unrecoverable_gap")
-        await self._apply_replayed(messages, from_zero=start == 0)
-        return bool(messages)
-
     async def _on_live(self, message: Message) -> None:
         self._metrics.messages.labels("live").inc()
         self._live_at = time.monotonic()
@@ -337,10 +274,6 @@ class ReplicaStream:
 
     def _saw_live(self, seq: int) -> None:
         self.live_high = seq if self.live_high is None else max(self.live_high, seq)
-
-    def _gap(self, missing: int) -> None:
-        self._metrics.gaps.labels(self.id).inc()
-        self._metrics.missed.inc(max(missing, 0))
 
     # ----------------------------------------------------------- resync after orphans
 
@@ -426,133 +359,3 @@ class ReplicaStream:
             },
         )
         await self._clear("unverifiable")
-
-    def _heard(self) -> None:
-        self._heard_at = time.monotonic()
-        if self.unverified:
-            self.unverified = False
-            logger.info("replica answers again", extra={"replica": self.id})
-
-    # ----------------------------------------------------------- index operations
-
-    async def _fetch(self, start: int, until: int | None = None) -> ReplayResult | None:
-        """Replay from ``start`` (needing everything up to ``until``); ``None`` if none came."""
-        if not self.target.replay:
-            self._metrics.replays.labels("no_endpoint").inc()
-            return None
-        result = await self._replay.fetch(self.id, self.target.replay, start, until)
-        if result.received:
-            self._heard()
-        return result if result.received else None
-
-    async def _apply_replayed(self, messages: list[Message], *, from_zero: bool = False) -> None:
-        for message in messages:
-            if self.last is not None:
-                if message.seq <= self.last:
-                    continue
-                if message.seq > self.last + 1:  # a batch the publisher never buffered
-                    self._gap(message.seq - self.last - 1)
-            await self._apply(message)
-        if messages:
-            low, high = messages[0].seq, messages[-1].seq
-            if self.covered is not None:
-                low, high = min(low, self.covered[0]), max(high, self.covered[1])
-            self.covered = (low, high)
-        if from_zero and self._orphaned:
-            # Everything the publisher still has was applied; parents older than its
-            # buffer cannot be recovered, so resyncing again would only churn the index.
-            logger.info("orphans remain after a full replay", extra={"replica": self.id})
-            self.resync_blocked = True
-            self._orphaned = False
-
-    async def _apply(self, message: Message) -> None:
-        try:
-            batch = decode_batch(message.payload)
-        except DecodeError as exc:
-            self._metrics.decode_errors.labels(exc.reason).inc()
-            logger.warning(
-                "skipping malformed batch",
-                extra={
-                    "replica": self.id,
-                    "seq": message.seq,
-                    "reason": exc.reason,
-                    "detail": str(exc),
-                },
-            )
-            self._advance(message.seq)
-            return
-        self._sniff(message.payload)
-        await self._note_lookahead(batch)
-        started = time.perf_counter()
-        result = await self._writer.apply(self.id, self.namespace, batch, message.seq)
-        self._metrics.batch(batch)
-        if result is None:  # index unavailable: the ledger absorbed it, the write is pending
-            self._advance(message.seq)
-            return
-        self._metrics.apply_seconds.observe(time.perf_counter() - started)
-        self._metrics.ledger(result.stats)
-        if result.cleared:
-            self.resync_blocked = False  # the engine starts over: new orphans are news
-        if result.stats.get("orphan"):
-            self._orphaned = True
-        self.blocks = result.blocks
-        self._advance(message.seq)
-
-    def _sniff(self, payload: bytes) -> None:
-        """Learn the replica's wire era (a lower bound, for operators): its first 64 batches,
-        then every 64th."""
-        self._applied += 1
-        if self.era is NEWEST_ERA or (
-            self._applied > _SNIFF_EVERY and self._applied % _SNIFF_EVERY
-        ):
-            return
-        era = wire_era(payload)
-        if era is not None and (self.era is None or not self.era.at_least(era)):
-            self.era = era
-            logger.info("replica wire era", extra={"replica": self.id, "era": era.value})
-
-    async def _note_lookahead(self, batch: EventBatch) -> None:
-        """How many tokens after each block the engine folds into its hash (vLLM 0.33's
-        lookahead hashing): the routers hash prompts the same way, learning it from the
-        index (:meth:`BlockIndex.set_lookahead`); said once per change, and in ``/health``.
-        A write the index refused is tried again with the next batch."""
-        for event in batch.events:
-            if not isinstance(event, BlockStored) or not event.token_ids:
-                continue
-            lists = event.lookahead_token_ids
-            width = len(lists[0] or ()) if lists else 0
-            if width != self.lookahead:
-                self.lookahead = width
-                self._lookahead_written = False
-                logger.info(
-                    "replica's lookahead hashing changed",
-                    extra={"replica": self.id, "lookahead_tokens": width},
-                )
-            break
-        if not self._lookahead_written:
-            try:
-                await self._index.set_lookahead(self.id, self.namespace, self.lookahead)
-            except IndexUnavailableError:
-                return
-            self._lookahead_written = True
-
-    def _advance(self, seq: int) -> None:
-        self.last = seq
-        self._metrics.replica(self.id, blocks=self.blocks, seq=seq)
-
-    async def _clear(self, cause: str | None) -> None:
-        held = await self._writer.clear(self.id, self.namespace)
-        if cause is not None:
-            self._metrics.resets.labels(cause).inc()
-        logger.warning(
-            "replica blocks cleared",
-            extra={
-                "replica": self.id,
-                "cause": cause,
-                "blocks": self.blocks if held is None else held,
-            },
-        )
-        self.last = None
-        self.blocks = 0
-        self._orphaned = False
-        self._metrics.replica(self.id, blocks=0)
