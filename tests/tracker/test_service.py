@@ -32,8 +32,8 @@ from tests.tracker.test_subscriber import (
 from tracker.core.blocks import Namespace
 from tracker.core.index import BlockIndex, MemoryIndex, ReplicaRecord
 from tracker.core.redis_index import RedisIndex
-from tracker.ingest.service import TrackerService, static_targets
-from tracker.ingest.targets import ReplicaTarget
+from tracker.ingest.service import TrackerService
+from tracker.ingest.targets import ReplicaTarget, static_targets
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
 """TrackerService: startup -> main loop -> bounded graceful shutdown, and ``run(settings)``.
 
 The service owns the subscriber (one stream per replica), the registry loop (expire replicas
-that stopped heartbeating, discover new ones, fence restarted ones) and a small HTTP server
-with ``/metrics`` and ``/health`` running on the same event loop.
+that stopped heartbeating, discover new ones, fence restarted ones: each pass is
+:class:`tracker.ingest.registry.RegistrySync`'s), the watch on Redis's memory
+(:class:`tracker.ingest.memory.MemoryWatch`), the tracker election when there is one, and a
+small HTTP server with ``/metrics`` and ``/health`` running on the same event loop.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -22,8 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tracker.core.backends import open_index
-from tracker.core.blocks import Namespace
-from tracker.core.index import BlockIndex, ReplicaRecord
+from tracker.core.index import BlockIndex
 from tracker.framework.errors import ConfigError, FencedError, IndexUnavailableError
 from tracker.framework.http import HTTPServer, bind
 from tracker.framework.lifecycle import (
@@ -33,12 +33,13 @@ from tracker.framework.lifecycle import (
     running_loop_name,
 )
 from tracker.ingest.config import TrackerSettings
+from tracker.ingest.memory import MemoryWatch
 from tracker.ingest.metrics import TrackerMetrics
+from tracker.ingest.registry import RegistrySync
 from tracker.ingest.subscriber import Subscriber
-from tracker.ingest.targets import ReplicaTarget
+from tracker.ingest.targets import static_targets
 
 if TYPE_CHECKING:
-    from tracker.core.redis_index import RedisMemory
     from tracker.ingest.lease import TrackerLease
 
 logger = logging.getLogger(__name__)
@@ -50,26 +51,8 @@ class _Pinging(Protocol):
 
 
 @runtime_checkable
-class _Metered(Protocol):
-    async def memory(self) -> RedisMemory: ...
-
-
-@runtime_checkable
 class _Fencing(Protocol):
     async def claim_partitions(self, fence: int, election: str) -> int: ...
-
-
-def static_targets(settings: TrackerSettings) -> list[ReplicaTarget]:
-    """The replicas given with ``--replica``, in the settings' namespace unless overridden."""
-    return [
-        ReplicaTarget(
-            spec.id,
-            Namespace(spec.model or settings.model, spec.block_size or settings.block_size),
-            spec.events,
-            spec.replay,
-        )
-        for spec in settings.replica_specs
-    ]
 
 
 class TrackerService:
@@ -105,17 +88,14 @@ class TrackerService:
         self.subscriber = Subscriber(settings, index, self.metrics, on_failure=self._crashed)
         self.http_port: int | None = None
         self._static = {target.id: target for target in static_targets(settings)}
-        self._discovered: dict[str, ReplicaTarget] = {}
-        self._instances: dict[str, str] = {}
-        self._ttls: dict[str, float] = {}
-        self._missing: dict[str, float] = {}  # discovered replica -> first seen missing
-        self._rejected: dict[str, ReplicaTarget | None] = {}
+        self._registry_sync = RegistrySync(
+            settings, index, self.subscriber, self.metrics, self._static
+        )
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._http: HTTPServer | None = None
         self._failure: BaseException | None = None
-        self._memory: RedisMemory | None = None
-        self._memory_problem: str | None = None
+        self._memory_watch = MemoryWatch(settings, index, self.metrics)
         self._started = False
         self._stopped = False
 
@@ -125,13 +105,13 @@ class TrackerService:
         """Bind sockets, start the static replicas, the registry loop and the HTTP server
         (with an election: the HTTP server, and the rest once the lease is won)."""
         self._started = True
-        await self._check_memory(at_start=True)
+        await self._memory_watch.check(at_start=True)
         if self.lease is None:
             await self._activate()
         else:
             self.metrics.active.set(0)
             self._spawn(self._election(self.lease), "election")
-        if isinstance(self.index, _Metered):
+        if self._memory_watch.metered:
             self._spawn(self._memory_loop(), "memory")
         if self.settings.http_port:
             await self._start_http()
@@ -273,57 +253,9 @@ class TrackerService:
 
     # ----------------------------------------------------------- redis memory
 
-    @property
-    def _budget_bytes(self) -> int:
-        return int(self.settings.memory_budget_mb * 2**20)
-
     async def _memory_loop(self) -> None:
         while not await self._sleep(self.settings.memory_check_s):
-            await self._check_memory()
-
-    async def _check_memory(self, *, at_start: bool = False) -> None:
-        """Read Redis's eviction policy and memory use: a policy that evicts index keys
-        refuses the start (routers would route on an index silently missing placements)
-        and degrades ``/health`` if it appears later, as does use over the budget."""
-        if not isinstance(self.index, _Metered):
-            return
-        try:
-            memory = await self.index.memory()
-        except IndexUnavailableError as exc:
-            if at_start:
-                logger.warning(
-                    "cannot read Redis's memory policy yet; checking again later",
-                    extra={"error": str(exc)},
-                )
-            return
-        budget = self._budget_bytes
-        self._memory = memory
-        self.metrics.redis_memory.set(memory.used_bytes)
-        self.metrics.memory_budget.set(budget)
-        self.metrics.evicting_policy.set(1 if memory.evicts_index else 0)
-        problem: str | None = None
-        if memory.evicts_index:
-            problem = (
-                f"Redis maxmemory-policy is {memory.policy}: at maxmemory it evicts index "
-                "keys and routers would route on an index silently missing placements; set "
-                "'maxmemory-policy noeviction' on a Redis dedicated to kvrouter"
-            )
-            if at_start:
-                raise ConfigError(problem)
-        elif budget and memory.used_bytes > budget:
-            problem = (
-                f"Redis uses {memory.used_bytes / 2**20:.1f} MiB, over the index's budget of "
-                f"{self.settings.memory_budget_mb:g} MiB (--memory-budget-mb)"
-            )
-        if problem != self._memory_problem:
-            if problem:
-                logger.error(
-                    "redis memory out of bounds",
-                    extra={"problem": problem, "policy": memory.policy},
-                )
-            else:
-                logger.info("redis memory within bounds again", extra={"policy": memory.policy})
-        self._memory_problem = problem
+            await self._memory_watch.check()
 
     # ----------------------------------------------------------- registry
 
@@ -331,7 +263,7 @@ class TrackerService:
         failing = False
         while not self._stopping.is_set():
             try:
-                await self._registry_pass()
+                await self._registry_sync.sync()
                 if failing:
                     logger.info("replica registry reachable again")
                 failing = False
@@ -341,104 +273,6 @@ class TrackerService:
                 failing = True
             if await self._sleep(self.settings.reap_interval_s):
                 return
-
-    async def _registry_pass(self) -> None:
-        # a Redis that restarted empty: idle replicas would stay out of the index otherwise
-        await self.subscriber.writer.restore_lost()
-        for record in await self.index.reap():
-            await self._expire(record)
-        if self.settings.discover:
-            await self._reconcile(await self.index.replicas())
-
-    async def _expire(self, record: ReplicaRecord) -> None:
-        logger.warning("replica expired", extra={"replica": record.id})
-        self._instances.pop(record.id, None)
-        self._ttls.pop(record.id, None)
-        self._missing.pop(record.id, None)
-        if record.id in self._static:
-            # Still configured: drop what it held; its stream resyncs when it speaks again.
-            self.subscriber.fence(record.id, "expired", catch_up=False)
-            return
-        target = self._discovered.pop(record.id, None)
-        namespace = target.namespace if target is not None else record.namespace
-        self.metrics.resets.labels("expired").inc()  # counted before it shows, never after
-        held = await self.subscriber.forget(record.id, namespace)
-        logger.info("expired replica forgotten", extra={"replica": record.id, "blocks": held})
-
-    async def _reconcile(self, records: list[ReplicaRecord]) -> None:
-        seen: set[str] = set()
-        for record in records:
-            seen.add(record.id)
-            self._ttls[record.id] = record.ttl_s
-            self._missing.pop(record.id, None)
-            previous = self._instances.get(record.id)
-            self._instances[record.id] = record.instance
-            restarted = bool(previous is not None and previous != record.instance)
-            if record.id in self._static:
-                if restarted:
-                    self.subscriber.fence(record.id, "instance_change")
-                continue
-            await self._adopt(record, restarted)
-        for replica in [r for r in self._rejected if r not in seen]:
-            del self._rejected[replica]
-        now = time.monotonic()
-        for replica in [r for r in self._discovered if r not in seen]:
-            # Deregistered, or gone with a Redis that restarted empty and is refilled by the
-            # next heartbeats: forgetting at once would throw away what a replay may not
-            # bring back (vLLM buffers 10k batches), so only a record missing for its ttl is.
-            since = self._missing.setdefault(replica, now)
-            if now - since < self._ttls.get(replica, 0.0):
-                continue
-            del self._missing[replica]
-            self._ttls.pop(replica, None)
-            target = self._discovered.pop(replica)
-            self._instances.pop(replica, None)
-            held = await self.subscriber.forget(replica, target.namespace)
-            logger.info("replica deregistered", extra={"replica": replica, "blocks": held})
-
-    async def _adopt(self, record: ReplicaRecord, restarted: bool) -> None:
-        if record.block_size <= 0:
-            self._reject(record.id, None, "invalid block size")
-            return
-        target = ReplicaTarget(
-            record.id, record.namespace, record.events, record.replay, record.instance
-        )
-        if self._rejected.get(record.id) == target:
-            return  # already reported
-        if target.events is None and not self.settings.bind:
-            self._reject(record.id, target, "no events endpoint and --bind is not set")
-            return
-        stream = self.subscriber.get(record.id)
-        if stream is not None and (stream.target.events, stream.namespace) != (
-            target.events,
-            target.namespace,
-        ):
-            if stream.namespace != target.namespace:
-                await self.subscriber.forget(record.id, stream.namespace)
-            else:
-                await self.subscriber.untrack(record.id)
-            stream = None
-        try:
-            self.subscriber.track(target)
-        except zmq.ZMQError as exc:
-            self._reject(record.id, target, str(exc))
-            return
-        self._rejected.pop(record.id, None)
-        if stream is None:
-            logger.info(
-                "replica discovered",
-                extra={"replica": record.id, "events": record.events, "replay": record.replay},
-            )
-        self._discovered[record.id] = target
-        if restarted:
-            self.subscriber.fence(record.id, "instance_change")
-
-    def _reject(self, replica: str, target: ReplicaTarget | None, reason: str) -> None:
-        if replica not in self._rejected or self._rejected[replica] != target:
-            logger.warning(
-                "cannot track registered replica", extra={"replica": replica, "reason": reason}
-            )
-        self._rejected[replica] = target
 
     # ----------------------------------------------------------- HTTP
 
@@ -477,15 +311,10 @@ class TrackerService:
             "reachable": reachable,
             "writes_pending": self.subscriber.index_down,
         }
-        if self._memory is not None:
-            index["memory"] = {
-                "policy": self._memory.policy,
-                "used_bytes": self._memory.used_bytes,
-                "max_bytes": self._memory.max_bytes,
-                "budget_bytes": self._budget_bytes,
-                "problem": self._memory_problem,
-            }
-            ok = ok and self._memory_problem is None
+        memory = self._memory_watch.status()
+        if memory is not None:
+            index["memory"] = memory
+            ok = ok and memory["problem"] is None
         return {
             "status": "ok" if ok else "degraded",
             "role": self.role,

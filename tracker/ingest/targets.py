@@ -1,11 +1,12 @@
-"""The replicas a tracker consumes: :class:`ReplicaTarget`, from a ``--replica`` flag or a
-registry record."""
+"""The replicas a tracker consumes: :class:`ReplicaTarget`, from a ``--replica`` flag
+(:func:`static_targets`) or a registry record."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from tracker.core.blocks import Namespace
+from tracker.ingest.config import TrackerSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,3 +21,16 @@ class ReplicaTarget:
     events: str | None = None
     replay: str | None = None
     instance: str = ""
+
+
+def static_targets(settings: TrackerSettings) -> list[ReplicaTarget]:
+    """The replicas given with ``--replica``, in the settings' namespace unless overridden."""
+    return [
+        ReplicaTarget(
+            spec.id,
+            Namespace(spec.model or settings.model, spec.block_size or settings.block_size),
+            spec.events,
+            spec.replay,
+        )
+        for spec in settings.replica_specs
+    ]
