@@ -16,7 +16,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import zmq
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,7 +25,7 @@ from starlette.routing import Route
 from tracker.core.backends import open_index
 from tracker.core.index import BlockIndex
 from tracker.framework.errors import ConfigError, FencedError, IndexUnavailableError
-from tracker.framework.http import HTTPServer, bind
+from tracker.framework.http import HTTPServer, bind, metrics_endpoint
 from tracker.framework.lifecycle import (
     freeze_heap,
     run_on_loop,
@@ -279,7 +279,7 @@ class TrackerService:
     async def _start_http(self) -> None:
         app = Starlette(
             routes=[
-                Route("/metrics", self._metrics_endpoint),
+                Route("/metrics", metrics_endpoint(self.registry)),
                 Route("/health", self._health_endpoint),
             ]
         )
@@ -321,9 +321,6 @@ class TrackerService:
             "index": index,
             "replicas": self.subscriber.status(),
         }
-
-    async def _metrics_endpoint(self, request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _health_endpoint(self, request: Request) -> Response:
         body = await self.health()
