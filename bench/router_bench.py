@@ -36,8 +36,8 @@ from bench.procs import RedisServer
 from bench.proxy_load import ProxySettings, measure, proxy_table
 from router.app import Router
 from router.config import RouterSettings
-from router.load import RedisLoadBoard
 from router.placement import Placement, Placer
+from router.redisload import RedisLoadBoard
 from router.requests import PromptRequest, parse
 from router.service import load_board
 from router.tokenize import TokenizerBook

@@ -30,12 +30,13 @@ from router.errors import AuthError, BadRequestError, RouterError, openai_error_
 from router.estimator import SpeedBook
 from router.health import ReplicaMonitor
 from router.journal import DecisionJournal
-from router.load import Load, LoadBoard, LocalLoadBoard, RedisLoadBoard
+from router.load import Load, LoadBoard, LocalLoadBoard
 from router.metrics import MismatchDetector, RouterMetrics, exposition
 from router.placement import Placement, Placer
 from router.policies import make_baseline
 from router.policies.baseline import Tools
 from router.proxy import Proxy
+from router.redisload import RedisLoadBoard
 from router.replicas import Replica, ReplicaSet
 from router.requests import parse, read_body
 from router.routefeed import RouteFeed

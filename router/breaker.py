@@ -21,8 +21,9 @@ from typing import Final, Literal
 
 from prometheus_client import Gauge
 
-from router.load import Load, LoadBoard, RedisLoadBoard
+from router.load import Load, LoadBoard
 from router.metrics import RouterMetrics
+from router.redisload import RedisLoadBoard
 from router.routefeed import RouteFeed
 from tracker.core.blocks import Namespace
 from tracker.core.index import BlockIndex, Home, Match, MemoryIndex, Residency, Survey

@@ -11,14 +11,8 @@ import pytest
 import redis.asyncio as redis
 
 from bench.procs import RedisServer
-from router.load import (
-    VIEW_MAX_AGE_S,
-    Load,
-    LoadBoard,
-    LocalLoadBoard,
-    RedisLoadBoard,
-    new_router_id,
-)
+from router.load import Load, LoadBoard, LocalLoadBoard
+from router.redisload import VIEW_MAX_AGE_S, RedisLoadBoard, new_router_id
 from tests.procs import free_port
 from tracker.core.blocks import Namespace
 from tracker.core.keys import NamespaceKeys

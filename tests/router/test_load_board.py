@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from router.config import RouterSettings
-from router.load import LocalLoadBoard, RedisLoadBoard
+from router.load import LocalLoadBoard
+from router.redisload import RedisLoadBoard
 from router.service import load_board
 from tracker.core.backends import open_index
 

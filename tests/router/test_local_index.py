@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from router.load import Load, RedisLoadBoard
+from router.load import Load
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from router.redisload import RedisLoadBoard
 from router.service import RouterService
 from tests.factories import SIM
 from tests.procs import RedisServer
