@@ -43,7 +43,7 @@ from publishers.config import EngineShape, shape_fields
 from publishers.latency import LatencyProfile, load_profile
 from router.policies import BASELINES
 from router.policies import POLICIES as ROUTER_POLICIES
-from router.policy import PolicyConfig, SpeedEstimate
+from router.policytypes import PolicyConfig, SpeedEstimate
 
 KVROUTER: Final = ROUTER_POLICIES[0]  # kvrouter's own policy, first in the registry (ttft)
 BOUND: Final = "oracle"  # reads the engines' real caches: the upper bound, run last in-router

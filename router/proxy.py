@@ -30,7 +30,7 @@ from router.estimator import SpeedBook
 from router.load import LoadBoard
 from router.metrics import MismatchDetector, RouterMetrics
 from router.placement import Placement, Placer
-from router.policy import Score
+from router.policytypes import Score
 from router.replicas import Replica
 from router.requests import (
     PATHS,

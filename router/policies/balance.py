@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from router.policies.baseline import Baseline, BaselineSettings, Choice, Tools, baseline_score, best
-from router.policy import Decision
+from router.policytypes import Decision
 
 
 class RoundRobin(Baseline):

@@ -11,14 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.policy import (
-    DEFAULT_SPEED,
-    PolicyConfig,
-    ReplicaState,
-    SpeedEstimate,
-    decide,
-    score_replica,
-)
+from router.policy import decide
+from router.policytypes import DEFAULT_SPEED, PolicyConfig, ReplicaState, SpeedEstimate
+from router.scoring import score_replica
 
 CONFIG = PolicyConfig()
 S = DEFAULT_SPEED.prefill_ms_per_token

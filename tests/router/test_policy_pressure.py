@@ -7,11 +7,9 @@ from collections import Counter
 
 import pytest
 
-from router.policy import (
-    DEFAULT_SPEED,
-    PolicyConfig,
-    ReplicaState,
-    decide,
+from router.policy import decide
+from router.policytypes import DEFAULT_SPEED, PolicyConfig, ReplicaState
+from router.scoring import (
     eviction_share,
     fleet_of,
     projected_kv_usage,
