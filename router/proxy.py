@@ -14,14 +14,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import Final
 
 import anyio
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from router.breaker import GuardedIndex
 from router.config import RouterSettings
@@ -31,6 +30,7 @@ from router.load import LoadBoard
 from router.metrics import MismatchDetector, RouterMetrics
 from router.placement import Placement, Placer
 from router.policytypes import Score
+from router.relay import RelayResponse
 from router.replicas import Replica
 from router.requests import (
     PATHS,
@@ -53,46 +53,6 @@ PREDICTED_HEADER: Final = "x-kvrouter-cached-tokens-predicted"
 FALLBACK_HEADER: Final = "x-kvrouter-fallback"
 DECISION_HEADER: Final = "x-kvrouter-decision-ms"
 _decode = msgspec.json.Decoder().decode
-
-
-class _RelayResponse(StreamingResponse):
-    """A stream relayed in the request's own task, closed however the client left.
-
-    :param cleanup: idempotent; also runs when the relay never started (a generator closed
-        before its first step skips its ``finally``).
-    """
-
-    def __init__(
-        self,
-        relay: AsyncGenerator[bytes, None],
-        cleanup: Callable[[], Awaitable[None]],
-        watch: ClientWatch,
-        *,
-        status_code: int,
-        headers: dict[str, str],
-    ) -> None:
-        super().__init__(relay, status_code=status_code, headers=headers)
-        self._relay = relay
-        self._cleanup = cleanup
-        self._watch = watch
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            start = {"type": "http.response.start", "status": self.status_code}
-            await send({**start, "headers": self.raw_headers})
-            async for chunk in self._relay:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not self._watch.absorb():
-                raise
-        except OSError:
-            pass  # the client's connection broke under a write (ASGI 2.4 servers raise it)
-        finally:
-            self._watch.close()
-            with anyio.CancelScope(shield=True):
-                await self._relay.aclose()
-                await self._cleanup()
 
 
 class _Call:
@@ -214,7 +174,7 @@ class Proxy:
             watch.close()
             self._close(call)
             raise
-        if not isinstance(response, _RelayResponse):
+        if not isinstance(response, RelayResponse):
             watch.close()  # a relay closes it once the stream is sent
         return response
 
@@ -347,7 +307,7 @@ class Proxy:
             await upstream.aclose()
             self._finished(call, attempt, "client_disconnect", None)
 
-        return _RelayResponse(relay, cleanup, watch, status_code=upstream.status, headers=headers)
+        return RelayResponse(relay, cleanup, watch, status_code=upstream.status, headers=headers)
 
     async def _relay(
         self,
