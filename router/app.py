@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import asdict
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -26,24 +25,25 @@ from starlette.routing import Route
 from router.auth import KeyCheck, load_keys
 from router.breaker import GuardedIndex, LoopLag
 from router.config import RouterSettings
+from router.describe import describe_placement, describe_replica
 from router.errors import AuthError, BadRequestError, RouterError, openai_error_body, status_of
 from router.estimator import SpeedBook
 from router.health import ReplicaMonitor
 from router.journal import DecisionJournal
 from router.load import Load, LoadBoard, LocalLoadBoard
 from router.metrics import MismatchDetector, RouterMetrics, exposition
-from router.placement import Placement, Placer
+from router.placement import Placer
 from router.policies import make_baseline
 from router.policies.baseline import Tools
 from router.proxy import Proxy
 from router.redisload import RedisLoadBoard
-from router.replicas import Replica, ReplicaSet
+from router.replicas import ReplicaSet
 from router.requests import parse, read_body
 from router.routefeed import RouteFeed
 from router.tokenize import TokenizerBook
 from router.upstream import UpstreamClient
 from tracker.core.blocks import Namespace
-from tracker.core.index import BlockIndex, describe_match
+from tracker.core.index import BlockIndex
 from tracker.framework.errors import IndexUnavailableError
 from tracker.framework.http import (
     CLIENT_CLOSED,
@@ -234,33 +234,7 @@ class Router:
         """Where is this prompt cached, and where would it go (nothing is sent or recorded)."""
         raw = await read_body(request, self.settings.max_body_bytes)
         placement = await self.placer.place(parse(raw, "index"), dry_run=True)
-        return JSONResponse(self._describe(placement))
-
-    def _describe(self, placement: Placement) -> dict[str, Any]:
-        size = placement.namespace.block_size
-        replicas = {
-            m.replica: {**describe_match(m, size), "predicted_blocks": m.predicted_blocks}
-            for m in sorted(placement.matches.values(), key=lambda m: (-m.blocks, m.replica))
-        }
-        decision = placement.decision
-        return {
-            "model": placement.model,
-            "block_size": size,
-            "prompt_tokens": placement.prompt_tokens,
-            "blocks": len(placement.keys),
-            "fallback": placement.fallback,
-            "replicas": replicas,
-            "homes": {
-                replica: {"blocks": home.blocks, "age_s": round(home.age_s, 3)}
-                for replica, home in sorted(placement.homes.items())
-            },
-            "decision": {
-                "replica": decision.replica,
-                "mode": decision.mode,
-                "scores": [asdict(s) for s in sorted(decision.scores, key=lambda s: -s.score)],
-            },
-            "stages_ms": {k: round(v * 1000, 4) for k, v in placement.stages.items()},
-        }
+        return JSONResponse(describe_placement(placement))
 
     async def replica_list(self, request: Request) -> Response:
         loads: dict[str, Any] = {}
@@ -273,37 +247,12 @@ class Router:
         return JSONResponse(
             {
                 "load_shared": shared,
-                "replicas": [self._replica(r, loads.get(r.id), now) for r in self.replicas.all()],
+                "replicas": [
+                    describe_replica(r, loads.get(r.id), self.speeds.get(r.model), now)
+                    for r in self.replicas.all()
+                ],
             }
         )
-
-    def _replica(self, replica: Replica, load: Any, now: float) -> dict[str, Any]:
-        engine = replica.engine
-        speed = self.speeds.get(replica.model)
-        return {
-            "id": replica.id,
-            "url": replica.url,
-            "model": replica.model,
-            "block_size": replica.block_size,
-            "source": "static" if replica.static else "registry",
-            "healthy": replica.healthy,
-            "failures": replica.failures,
-            "last_error": replica.last_error or None,
-            "inflight": load.inflight if load else 0,
-            "queued_prefill_tokens": load.queued_prefill_tokens if load else 0,
-            "engine": None
-            if engine is None
-            else {
-                "running": engine.running,
-                "waiting": engine.waiting,
-                "kv_usage": engine.kv_usage,
-                "age_s": round(now - engine.at, 3),
-            },
-            "speed": {
-                "floor_ms": round(speed.floor_ms, 3),
-                "prefill_ms_per_token": round(speed.prefill_ms_per_token, 6),
-            },
-        }
 
     async def health(self, request: Request) -> Response:
         replicas = self.replicas.all()
