@@ -27,7 +27,8 @@ from bench.harness import Hooks, PolicyRun
 from bench.loadgen import Result
 from bench.plan import Plan
 from bench.plots import plot
-from bench.report import Goal, Summary, add_ratios, document, goals, rows, summarize, write_json
+from bench.report import Goal, add_ratios, document, goals, rows, write_json
+from bench.summary import Summary, summarize
 
 
 def summaries_of(runs: Sequence[PolicyRun], time_scale: float) -> dict[str, Summary]:

@@ -22,7 +22,7 @@ from rich.table import Table
 from bench.commands import BenchSettings, plan
 from bench.console import Console, summaries_of
 from bench.harness import Harness, PolicyRun
-from bench.report import engines_per_group
+from bench.summary import engines_per_group
 from tracker.framework.cli import Command
 from tracker.framework.config import LogSettings
 from tracker.framework.settings import setting

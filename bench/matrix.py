@@ -9,7 +9,7 @@ Cells replay 320 requests (10 x 32) at 8 req/s unless the axis varies that, time
 The light cells (4,096 and 1,024 blocks at 8 req/s, 25 % load), where every prefix-aware
 router keeps each group home and the verdict turns on a few milliseconds, run three passes
 with the workloads and arrivals of three seeds, every policy in each, and pool them
-(:func:`bench.report.concatenate`); docs/matrix.md gives each pass's ratios too.
+(:func:`bench.summary.concatenate`); docs/matrix.md gives each pass's ratios too.
 
 =============  ===========================================================================
 axis           cells
@@ -49,14 +49,9 @@ from bench.commands import BenchSettings, plan
 from bench.harness import POLICIES, Harness, PolicyRun
 from bench.peers import INSTALL_HINT, missing
 from bench.plots import matrix_plots, require_matplotlib
-from bench.report import (
-    add_ratios,
-    concatenate,
-    document,
-    percentile,
-    summarize,
-)
+from bench.report import add_ratios, document
 from bench.report import markdown as policy_table
+from bench.summary import concatenate, percentile, summarize
 from bench.verdicts import Cell, Verdict, best_peers, headline, verdict
 from publishers.config import EngineShape
 from tracker.core.tokens import Tokenizer

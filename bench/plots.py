@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Final
 
 from bench.harness import PolicyRun
-from bench.report import Summary, latencies_ms
+from bench.summary import Summary, latencies_ms
 from bench.verdicts import Verdict
 from tracker.framework.errors import ConfigError
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from bench.peers import PEERS
-from bench.report import Summary, from_document
+from bench.report import from_document
+from bench.summary import Summary
 
 _TOLERANCE: Final = 0.03
 

@@ -15,7 +15,7 @@ import pytest
 
 from bench.harness import FleetConfig, Harness
 from bench.peers import PEERS, missing
-from bench.report import summarize
+from bench.summary import summarize
 from bench.workloads import Workload, shared_prefix, with_poisson_arrivals
 
 pytestmark = [

@@ -22,7 +22,8 @@ from bench.matrix import (
     report,
     result_path,
 )
-from bench.report import Summary, document
+from bench.report import document
+from bench.summary import Summary
 from bench.verdicts import Cell, verdict
 from tracker.framework.errors import ConfigError
 

@@ -8,7 +8,8 @@ import pytest
 
 from bench.harness import PolicyRun
 from bench.loadgen import Result
-from bench.report import add_ratios, concatenate, goals, markdown, percentile, summarize
+from bench.report import add_ratios, goals, markdown
+from bench.summary import concatenate, percentile, summarize
 
 
 def results(ttfts_s: list[float], cached: int = 0, decision_ms: float = 0.0) -> list[Result]:
