@@ -26,12 +26,8 @@ from typing import IO, Any
 
 import httpx
 
-from bench.procs import (
-    SENTINEL_SERVICE,
-    redis_server_argv,
-    sentinel_config,
-    wait_sentinels_ready,
-)
+from bench.procs import redis_server_argv
+from bench.sentinels import SENTINEL_SERVICE, sentinel_config, wait_sentinels_ready
 from publishers.config import EngineShape
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings, setting

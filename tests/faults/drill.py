@@ -24,7 +24,8 @@ from typing import Any, Final, Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import sentinel_primary_port, sentinel_view, sync_redis
+from bench.procs import sync_redis
+from bench.sentinels import sentinel_primary_port, sentinel_view
 from bench.stack import LocalStack, StackConfig
 from tests.faults.workload import MODEL, Result, Workload
 from tracker.core.blocks import Namespace
