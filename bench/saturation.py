@@ -24,7 +24,8 @@ saturation is its best requests/s over the levels.
 that falls behind is seen queueing instead of slowing its own load down. In a closed loop
 every target completes about the same requests/s and time moves between the first chunk
 and the rest of the stream; at a fixed offered rate TTFT compares like for like. A request
-that would exceed ``MAX_OPEN`` in flight is counted as an error instead of being sent.
+that would exceed ``MAX_OPEN`` (:mod:`bench.load_loops`) in flight is counted as an error
+instead of being sent.
 
 Each level's ``--seconds`` per target are cut into ``--rounds`` turns over the targets (3 by
 default), so that outside load on the shared host falls on every target alike.
@@ -43,19 +44,17 @@ import asyncio
 import json
 import math
 import os
-import random
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from itertools import pairwise
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
 
+from bench.load_loops import Level, closed_streams, open_streams
 from bench.overhead import EMBEDDED, LOCAL_INDEX, start_kvrouter, start_peers
 from bench.peers import installed, named
-from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, one_stream, percentile
+from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, percentile
 from bench.stack import LocalStack
 from router.upstream import KEEPALIVE_EXPIRY_S
 from tracker.framework.cli import parse_argv
@@ -63,7 +62,6 @@ from tracker.framework.errors import ConfigError
 from tracker.framework.settings import Settings, setting
 
 DIRECT: Final = "direct"
-MAX_OPEN: Final = 2048  # open-loop requests in flight at most (bounded load)
 
 
 @dataclass(frozen=True)
@@ -79,89 +77,6 @@ class Plan:
     groups: int = 8
     step_ms: float = 1.0
     time_scale: float = 0.001
-
-
-@dataclass
-class Level:
-    """One level's samples."""
-
-    ttft: list[float] = field(default_factory=list)
-    gaps: list[float] = field(default_factory=list)
-    errors: int = 0
-    seconds: float = 0.0
-
-    async def sample(self, client: aiohttp.ClientSession, target: Target, body: Any) -> None:
-        """Send one stream; record its first chunk and the gaps between chunks, or an error."""
-        try:
-            times = await one_stream(client, target, body)
-        except (aiohttp.ClientError, TimeoutError):
-            times = []
-        if not times:
-            self.errors += 1
-            return
-        self.ttft.append(times[0])
-        self.gaps.extend(b - a for a, b in pairwise(times))
-
-
-async def closed_streams(
-    client: aiohttp.ClientSession,
-    target: Target,
-    bodies: Bodies,
-    *,
-    concurrency: int,
-    seconds: float,
-    output_tokens: int,
-    into: Level | None = None,
-) -> Level:
-    """``concurrency`` streams in flight until ``seconds`` have passed (none starts after);
-    the samples go ``into`` a level of earlier rounds when given."""
-    level = into if into is not None else Level()
-    deadline = time.monotonic() + seconds
-
-    async def worker() -> None:
-        while time.monotonic() < deadline:
-            await level.sample(client, target, bodies.make(output_tokens, stream=True))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    level.seconds += time.perf_counter() - start
-    return level
-
-
-async def open_streams(
-    client: aiohttp.ClientSession,
-    target: Target,
-    bodies: Bodies,
-    *,
-    rate: float,
-    seconds: float,
-    output_tokens: int,
-    into: Level | None = None,
-    round_: int = 0,
-) -> Level:
-    """Poisson arrivals at ``rate`` per second for ``seconds`` (seeded by the rate and the
-    round: every target gets the same arrival times), each a stream of its own; waits for
-    the last. The samples go ``into`` a level of earlier rounds when given."""
-    level = into if into is not None else Level()
-    inflight: set[asyncio.Task[None]] = set()
-    arrivals = random.Random(int(rate * 1000) + 7919 * round_)
-    start = time.perf_counter()
-    at = arrivals.expovariate(rate)
-    while at < seconds:
-        delay = start + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if len(inflight) >= MAX_OPEN:
-            level.errors += 1
-        else:
-            body = bodies.make(output_tokens, stream=True)
-            task = asyncio.create_task(level.sample(client, target, body))
-            inflight.add(task)
-            task.add_done_callback(inflight.discard)
-        at += arrivals.expovariate(rate)
-    await asyncio.gather(*inflight)
-    level.seconds += time.perf_counter() - start
-    return level
 
 
 def level_name(level: int | float, *, rate: bool) -> str:

@@ -11,8 +11,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bench.load_loops import open_streams
 from bench.proxy_load import PATH, Bodies, Target
-from bench.saturation import main, open_streams, render
+from bench.saturation import main, render
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
