@@ -37,6 +37,41 @@ FULL: Final = FleetConfig()
 """The fleet of a run that sets nothing: its defaults are FleetConfig's."""
 QUICK: Final = FleetConfig(replicas=4, num_blocks=512, time_scale=2.0)
 """The fleet of a ``--quick`` run."""
+SIZES: Final[dict[str, dict[str, tuple[int, int]]]] = {
+    "gsp": {
+        "groups": (64, 8),
+        "prompts_per_group": (16, 8),
+        "system_tokens": (2048, 1024),
+        "question_tokens": (128, 64),
+        "output_tokens": (256, 128),
+    },
+    "llmd": {
+        "groups": (150, 8),
+        "prompts_per_group": (5, 8),
+        "system_tokens": (6000, 1024),
+        "question_tokens": (1200, 64),
+        "output_tokens": (1000, 128),
+    },
+    "nosharing": {
+        "system_tokens": (2048, 1024),
+        "question_tokens": (128, 64),
+        "output_tokens": (256, 128),
+    },
+    "multiturn": {
+        "system_tokens": (1000, 512),
+        "question_tokens": (64, 32),
+        "output_tokens": (100, 32),
+    },
+}
+"""Per workload, the (default, ``--quick``) value of each size setting left unset."""
+_QUICK_GSP: Final = {name: quick for name, (_, quick) in SIZES["gsp"].items()}
+
+
+def _defaults(name: str) -> str:
+    """Help text: each workload's default for the size setting ``name``, then the quick ones."""
+    sizes = {workload: table[name] for workload, table in SIZES.items() if name in table}
+    full = ", ".join(f"{workload} {value}" for workload, (value, _) in sizes.items())
+    return f"default {full}; quick {', '.join(str(quick) for _, quick in sizes.values())}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +87,9 @@ class BenchSettings(LogSettings):
     quick: bool = setting(
         False,
         f"smoke run (about a minute): {QUICK.replicas} small engines ({QUICK.num_blocks} "
-        "blocks), 8 groups x 8 prompts of 1024 + 64 tokens, 128 out, time scale "
-        f"{QUICK.time_scale:g}",
+        f"blocks), {_QUICK_GSP['groups']} groups x {_QUICK_GSP['prompts_per_group']} prompts "
+        f"of {_QUICK_GSP['system_tokens']} + {_QUICK_GSP['question_tokens']} tokens, "
+        f"{_QUICK_GSP['output_tokens']} out, time scale {QUICK.time_scale:g}",
     )
     json: str | None = setting(None, "write the results as JSON to this file")
     raw: bool = setting(False, "with --json: every request's result too (for analysis)")
@@ -79,19 +115,15 @@ class BenchSettings(LogSettings):
         f"KV-cache blocks per engine, {FULL.block_size} tokens each "
         f"(default {FULL.num_blocks}; quick {QUICK.num_blocks})",
     )
-    groups: int | None = setting(None, "gsp/llmd: prefix groups (default 64 / 150; quick 8)")
+    groups: int | None = setting(None, f"gsp/llmd: prefix groups ({_defaults('groups')})")
     prompts_per_group: int | None = setting(
-        None, "gsp/llmd: prompts (users) per group (default 16 / 5; quick 8)"
+        None, f"gsp/llmd: prompts (users) per group ({_defaults('prompts_per_group')})"
     )
     system_tokens: int | None = setting(
-        None, "system prompt (shared prefix) tokens (default gsp 2048, llmd 6000, quick 1024)"
+        None, f"system prompt (shared prefix) tokens ({_defaults('system_tokens')})"
     )
-    question_tokens: int | None = setting(
-        None, "question tokens (default gsp 128, llmd 1200, multiturn 64, quick 64)"
-    )
-    output_tokens: int | None = setting(
-        None, "output tokens (default gsp 256, llmd 1000, multiturn 100, quick 128)"
-    )
+    question_tokens: int | None = setting(None, f"question tokens ({_defaults('question_tokens')})")
+    output_tokens: int | None = setting(None, f"output tokens ({_defaults('output_tokens')})")
     requests: int = setting(512, "nosharing: requests")
     users: int = setting(64, "multiturn: conversations")
     rounds: int = setting(6, "multiturn: turns per conversation")
@@ -156,42 +188,44 @@ class BenchSettings(LogSettings):
         return tuple(p.strip() for p in self.policies.split(",") if p.strip())
 
 
-def _pick(value: int | None, default: int, quick: int, is_quick: bool) -> int:
+def _size(settings: BenchSettings, name: str) -> int:
+    """The size setting ``name``: as set, else the workload's default (:data:`SIZES`)."""
+    value: int | None = getattr(settings, name)
     if value is not None:
         return value
-    return quick if is_quick else default
+    default, quick = SIZES[settings.workload][name]
+    return quick if settings.quick else default
 
 
 def build_workload(settings: BenchSettings) -> Workload:
     """The workload the settings describe (arrivals not assigned yet)."""
     s, q = settings, settings.quick
     if s.workload in ("gsp", "llmd"):
-        llmd = s.workload == "llmd"
         return shared_prefix(
-            groups=_pick(s.groups, 150 if llmd else 64, 8, q),
-            prompts_per_group=_pick(s.prompts_per_group, 5 if llmd else 16, 8, q),
-            system_tokens=_pick(s.system_tokens, 6000 if llmd else 2048, 1024, q),
-            question_tokens=_pick(s.question_tokens, 1200 if llmd else 128, 64, q),
-            output_tokens=_pick(s.output_tokens, 1000 if llmd else 256, 128, q),
+            groups=_size(s, "groups"),
+            prompts_per_group=_size(s, "prompts_per_group"),
+            system_tokens=_size(s, "system_tokens"),
+            question_tokens=_size(s, "question_tokens"),
+            output_tokens=_size(s, "output_tokens"),
             seed=s.seed,
             name=s.workload,
         )
     if s.workload == "nosharing":
         return no_sharing(
             requests=64 if q and s.requests == 512 else s.requests,
-            system_tokens=_pick(s.system_tokens, 2048, 1024, q),
-            question_tokens=_pick(s.question_tokens, 128, 64, q),
-            output_tokens=_pick(s.output_tokens, 256, 128, q),
+            system_tokens=_size(s, "system_tokens"),
+            question_tokens=_size(s, "question_tokens"),
+            output_tokens=_size(s, "output_tokens"),
             seed=s.seed,
         )
     if s.workload == "multiturn":
         return multi_turn(
             users=s.users,
             rounds=s.rounds,
-            system_tokens=_pick(s.system_tokens, 1000, 512, q),
+            system_tokens=_size(s, "system_tokens"),
             context_tokens=s.context_tokens,
-            question_tokens=_pick(s.question_tokens, 64, 32, q),
-            output_tokens=_pick(s.output_tokens, 100, 32, q),
+            question_tokens=_size(s, "question_tokens"),
+            output_tokens=_size(s, "output_tokens"),
             think_s=s.think_s,
             seed=s.seed,
         )
