@@ -22,14 +22,8 @@ from typing import Any
 from bench.procs import RedisServer, sync_redis
 from tracker.core.backends import open_index
 from tracker.core.blocks import Namespace, block_keys
-from tracker.core.events import (
-    BlockStored,
-    EventBatch,
-    ExternalHash,
-    WireEra,
-    decode_batch,
-    encode_batch,
-)
+from tracker.core.event_codec import WireEra, decode_batch, encode_batch
+from tracker.core.events import BlockStored, EventBatch, ExternalHash
 from tracker.core.index import BlockIndex
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.cli import parse_argv

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from publishers.registration import DOWN_AFTER
-from tracker.core.events import WireEra
+from tracker.core.event_codec import WireEra
 from tracker.core.index import RECORD_TTL_S
 from tracker.framework.config import ServiceSettings
 from tracker.framework.errors import ConfigError

@@ -26,15 +26,8 @@ import msgspec
 import zmq
 
 from tracker.core.blocks import own_extra_keys
-from tracker.core.events import (
-    NEWEST_ERA,
-    REPLAY_END_SEQ,
-    BlockStored,
-    Event,
-    EventBatch,
-    WireEra,
-    encode_batch,
-)
+from tracker.core.event_codec import NEWEST_ERA, WireEra, encode_batch
+from tracker.core.events import REPLAY_END_SEQ, BlockStored, Event, EventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +81,7 @@ class ZmqEventPublisher:
         endpoint: PUB address (bound or connected, see :func:`binds`).
         replay_endpoint: ROUTER address (always bound); ``None`` disables replay.
         topic: first frame of every live message.
-        era: wire format to encode (:class:`tracker.core.events.WireEra`).
+        era: wire format to encode (:class:`tracker.core.event_codec.WireEra`).
         replay_layout: ``"legacy"`` (vLLM <= 0.24.x, 0.25.1) or ``"topic"`` (with a topic
             frame: vLLM main from 2026-07, every release from v0.26).
         buffer_steps: how many published batches replay can serve (vLLM's default; the

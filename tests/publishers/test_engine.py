@@ -19,16 +19,8 @@ from publishers.engine import (
     RequestStream,
     SimulatedEngine,
 )
-from tracker.core.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    EventBatch,
-    WireEra,
-    decode_batch,
-    encode_batch,
-)
+from tracker.core.event_codec import WireEra, decode_batch, encode_batch
+from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
 
 class RecordingSink:

@@ -14,7 +14,8 @@ import zmq.asyncio
 
 from publishers.config import ReplicaSettings
 from tests.procs import KVROUTER, free_ports
-from tracker.core.events import BlockStored, decode_batch, decode_message
+from tracker.core.event_codec import decode_batch
+from tracker.core.events import BlockStored, decode_message
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import ConfigError
 

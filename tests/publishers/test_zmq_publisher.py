@@ -12,17 +12,15 @@ import zmq
 
 from publishers.zmq import ZmqEventPublisher, as_emitted, binds, endpoint_for_rank
 from tests.procs import free_port
+from tracker.core.event_codec import WireEra, decode_batch, encode_batch
 from tracker.core.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Event,
     EventBatch,
-    WireEra,
-    decode_batch,
     decode_message,
     decode_replay_reply,
-    encode_batch,
 )
 
 TIMEOUT_MS = 2000

@@ -19,15 +19,8 @@ from typing import Any
 
 import msgspec
 
-from tracker.core.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    EventBatch,
-    WireEra,
-    encode_batch,
-)
+from tracker.core.event_codec import WireEra, encode_batch
+from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
 BLOCK_SIZE = 16
 _pack = msgspec.msgpack.Encoder().encode

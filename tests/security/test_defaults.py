@@ -16,7 +16,8 @@ import zmq.asyncio
 from publishers.config import ReplicaSettings
 from publishers.fleet import FleetService
 from tests.procs import free_port
-from tracker.core.events import decode_batch, decode_message
+from tracker.core.event_codec import decode_batch
+from tracker.core.events import decode_message
 from tracker.framework.cli import load_commands
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}

@@ -31,7 +31,8 @@ from prometheus_client import CollectorRegistry
 from tests.conftest import VECTORS
 from tests.security.frames import BLOCK_SIZE, FrameSource, load_golden
 from tracker.core.blocks import Namespace
-from tracker.core.events import EventBatch, decode_batch, decode_message
+from tracker.core.event_codec import decode_batch
+from tracker.core.events import EventBatch, decode_message
 from tracker.core.index import MemoryIndex
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import DecodeError

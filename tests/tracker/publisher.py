@@ -17,7 +17,8 @@ import zmq
 import zmq.asyncio
 
 from tests.factories import batch
-from tracker.core.events import REPLAY_END_SEQ, Event, WireEra, encode_batch, encode_message
+from tracker.core.event_codec import WireEra, encode_batch
+from tracker.core.events import REPLAY_END_SEQ, Event, encode_message
 
 END = REPLAY_END_SEQ.to_bytes(8, "big")
 

@@ -12,24 +12,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import VECTORS
-from tracker.core import events as codec
+from tracker.core import event_codec as codec
+from tracker.core.event_codec import NEWEST_ERA, WireEra, decode_batch, encode_batch, wire_era
 from tracker.core.events import (
-    NEWEST_ERA,
     REPLAY_END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Event,
     EventBatch,
     Message,
     UnknownEvent,
-    WireEra,
-    decode_batch,
     decode_message,
     decode_replay_reply,
-    encode_batch,
     encode_message,
     external_hash_u64,
-    wire_era,
 )
 from tracker.framework.errors import DecodeError
 
@@ -82,7 +79,7 @@ def _from_json(value: Any) -> Any:
     return value
 
 
-def _event_from_json(raw: dict[str, Any]) -> codec.Event:
+def _event_from_json(raw: dict[str, Any]) -> Event:
     fields = {k: _from_json(v) for k, v in raw.items() if k != "type"}
     if raw["type"] == "AllBlocksCleared":
         return AllBlocksCleared()
@@ -458,7 +455,7 @@ _batches = st.builds(
 def _project(batch: EventBatch, era: WireEra) -> EventBatch:
     """What survives a trip through ``era``: its fields only; no rank before v0.9.1."""
 
-    def keep(event: codec.Event) -> codec.Event:
+    def keep(event: Event) -> Event:
         if isinstance(event, AllBlocksCleared):
             return event
         names = codec._STORED_FIELDS if isinstance(event, BlockStored) else codec._REMOVED_FIELDS

@@ -17,7 +17,8 @@ from tests.factories import SMALL, removed, stored
 from tests.procs import RedisServer
 from tests.tracker.publisher import EventPublisher
 from tracker.core.blocks import Namespace, block_keys
-from tracker.core.events import AllBlocksCleared, WireEra, encode_message
+from tracker.core.event_codec import WireEra
+from tracker.core.events import AllBlocksCleared, encode_message
 from tracker.core.index import BlockIndex, MemoryIndex
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import DecodeError

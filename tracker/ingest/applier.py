@@ -16,15 +16,8 @@ import time
 from typing import Final
 
 from tracker.core.blocks import Namespace
-from tracker.core.events import (
-    NEWEST_ERA,
-    BlockStored,
-    EventBatch,
-    Message,
-    WireEra,
-    decode_batch,
-    wire_era,
-)
+from tracker.core.event_codec import NEWEST_ERA, WireEra, decode_batch, wire_era
+from tracker.core.events import BlockStored, EventBatch, Message
 from tracker.core.index import BlockIndex
 from tracker.framework.errors import DecodeError, IndexUnavailableError
 from tracker.ingest.metrics import TrackerMetrics
