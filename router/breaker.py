@@ -26,7 +26,8 @@ from router.metrics import RouterMetrics
 from router.redisload import RedisLoadBoard
 from router.routefeed import RouteFeed
 from tracker.core.blocks import Namespace
-from tracker.core.index import BlockIndex, Home, Match, MemoryIndex, Residency, Survey
+from tracker.core.index import BlockIndex, Home, Match, Residency, Survey
+from tracker.core.memory_index import MemoryIndex
 from tracker.framework.errors import IndexUnavailableError
 from tracker.framework.lifecycle import cancel_and_wait
 

@@ -2,7 +2,7 @@
 
 With the shared index every router writes each request's predicted blocks and home claim
 into Redis and reads everyone's with its lookup. A router whose index is in its process
-(:class:`~tracker.core.index.MemoryIndex`) would otherwise learn another router's placement
+(:class:`~tracker.core.memory_index.MemoryIndex`) would otherwise learn another router's placement
 only from the engine's events, a prefill later: two requests of a new prefix group sent
 through two routers within that time each pick an engine, and the group splits (with four
 routers behind haproxy under KV pressure: 64 % hits against the shared index's 73 %).
@@ -33,8 +33,8 @@ from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
 from tracker.core.blocks import Namespace
-from tracker.core.index import MemoryIndex
 from tracker.core.keys import MAX_ROUTES, NamespaceKeys
+from tracker.core.memory_index import MemoryIndex
 from tracker.framework.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 With ``--redis`` the index, the replica registry and the load are shared through Redis with
 every other router and tracker. Without it the router is self-contained: an in-process
-:class:`~tracker.core.index.MemoryIndex` fed by an in-process
+:class:`~tracker.core.memory_index.MemoryIndex` fed by an in-process
 :mod:`tracker.ingest.embedded` tracker consuming the ``--replica`` event endpoints. With
 both and ``--local-index`` the index is the router's own, fed as without Redis, and the load
 and the routes are shared (:class:`~router.redisload.RedisLoadBoard`,

@@ -27,7 +27,7 @@ from tests.router.harness import (
     router,
     wait_until,
 )
-from tracker.core.index import MemoryIndex
+from tracker.core.memory_index import MemoryIndex
 from tracker.core.tokens import Tokenizer
 from tracker.framework.errors import ConfigError
 

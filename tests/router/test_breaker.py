@@ -15,7 +15,8 @@ from router.metrics import RouterMetrics
 from tests.clock import ManualClock
 from tests.factories import SIM
 from tracker.core.blocks import Namespace
-from tracker.core.index import Match, MemoryIndex
+from tracker.core.index import Match
+from tracker.core.memory_index import MemoryIndex
 from tracker.framework.errors import IndexUnavailableError
 
 

@@ -16,7 +16,7 @@ from router.service import RouterService
 from tests.factories import SIM
 from tests.procs import RedisServer
 from tests.router.harness import SYSTEM, base_url, chat, engines, metric, router, wait_until
-from tracker.core.index import MemoryIndex
+from tracker.core.memory_index import MemoryIndex
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 

@@ -11,8 +11,8 @@ import redis.asyncio as redis
 from router.routefeed import RouteFeed
 from tests.factories import SIM
 from tests.procs import free_port
-from tracker.core.index import MemoryIndex
 from tracker.core.keys import NamespaceKeys
+from tracker.core.memory_index import MemoryIndex
 
 pytestmark = pytest.mark.redis
 

@@ -33,7 +33,7 @@ from tests.security.frames import BLOCK_SIZE, FrameSource, load_golden
 from tracker.core.blocks import Namespace
 from tracker.core.event_codec import decode_batch
 from tracker.core.events import EventBatch, decode_message
-from tracker.core.index import MemoryIndex
+from tracker.core.memory_index import MemoryIndex
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import DecodeError
 from tracker.ingest.config import TrackerSettings

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tracker.core.backends import REDIS_SCHEMES, open_index
-from tracker.core.index import MemoryIndex, ReplicaRecord
+from tracker.core.index import ReplicaRecord
+from tracker.core.memory_index import MemoryIndex
 from tracker.core.redis_client import CLUSTER_SCHEMES, SENTINEL_SCHEMES
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import ConfigError

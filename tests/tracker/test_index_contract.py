@@ -17,8 +17,9 @@ import xxhash
 from tests.factories import LLAMA, batch
 from tracker.core.blocks import Namespace, block_keys
 from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from tracker.core.index import BlockIndex, Match, MemoryIndex, ReplicaRecord
+from tracker.core.index import BlockIndex, Match, ReplicaRecord
 from tracker.core.keys import home_anchors
+from tracker.core.memory_index import MemoryIndex
 from tracker.core.redis_index import RedisIndex
 
 SEQ = list(range(1000, 1016))  # 4 blocks

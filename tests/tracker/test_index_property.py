@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from tests.factories import TINY, batch
 from tracker.core.blocks import block_keys
 from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from tracker.core.index import BlockIndex, MemoryIndex
+from tracker.core.index import BlockIndex
+from tracker.core.memory_index import MemoryIndex
 from tracker.core.redis_index import RedisIndex
 
 REPLICAS = ("r0", "r1", "r2")

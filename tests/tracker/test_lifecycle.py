@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from router.service import RouterService
 from tests.router.harness import router_settings
-from tracker.core.index import MemoryIndex
+from tracker.core.memory_index import MemoryIndex
 from tracker.framework.errors import ConfigError
 from tracker.framework.lifecycle import (
     cancel_and_wait,

@@ -30,7 +30,8 @@ from tests.tracker.test_subscriber import (
     wait_until,
 )
 from tracker.core.blocks import Namespace
-from tracker.core.index import BlockIndex, MemoryIndex, ReplicaRecord
+from tracker.core.index import BlockIndex, ReplicaRecord
+from tracker.core.memory_index import MemoryIndex
 from tracker.core.redis_index import RedisIndex
 from tracker.ingest.service import TrackerService
 from tracker.ingest.targets import ReplicaTarget, static_targets

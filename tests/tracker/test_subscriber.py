@@ -19,7 +19,8 @@ from tests.tracker.publisher import EventPublisher
 from tracker.core.blocks import Namespace, block_keys
 from tracker.core.event_codec import WireEra
 from tracker.core.events import AllBlocksCleared, encode_message
-from tracker.core.index import BlockIndex, MemoryIndex
+from tracker.core.index import BlockIndex
+from tracker.core.memory_index import MemoryIndex
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import DecodeError
 from tracker.ingest.config import TrackerSettings

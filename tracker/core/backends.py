@@ -1,6 +1,6 @@
 """Open the block index that a URL names: the one place every part decides between backends.
 
-No URL gives the in-process :class:`~tracker.core.index.MemoryIndex`; a Redis URL of any form
+No URL gives the in-process :class:`~tracker.core.memory_index.MemoryIndex`; a Redis URL of any form
 that :mod:`tracker.core.redis_client` accepts gives the shared
 :class:`~tracker.core.redis_index.RedisIndex`. Redis is imported only when a Redis URL is
 opened, so commands that never use it start light.
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final, overload
 
-from tracker.core.index import BlockIndex, MemoryIndex
+from tracker.core.index import BlockIndex
+from tracker.core.memory_index import MemoryIndex
 from tracker.framework.errors import ConfigError
 from tracker.framework.settings import redact_url
 
@@ -36,7 +37,7 @@ def open_index(url: str, *, timeout_s: float = ...) -> RedisIndex: ...
 @overload
 def open_index(url: str | None, *, timeout_s: float = ...) -> BlockIndex: ...
 def open_index(url: str | None, *, timeout_s: float = 2.0) -> BlockIndex:
-    """The index at ``url``: a fresh :class:`~tracker.core.index.MemoryIndex` for ``None``,
+    """The index at ``url``: a fresh :class:`~tracker.core.memory_index.MemoryIndex` for ``None``,
     otherwise the shared index of :meth:`tracker.core.redis_index.RedisIndex.from_url`, which
     connects on first use.
 

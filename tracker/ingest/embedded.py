@@ -1,7 +1,7 @@
 """The tracker inside another process: the entry point of a router that keeps its own index.
 
 A router without a shared index (no ``--redis``, or ``--local-index``) consumes the engines'
-KV events itself, into its in-process :class:`~tracker.core.index.MemoryIndex`.
+KV events itself, into its in-process :class:`~tracker.core.memory_index.MemoryIndex`.
 :func:`start_embedded` starts that consumer over the router's index and metrics registry;
 what it returns is all the host needs afterwards: :meth:`EmbeddedTracker.stop`.
 """
