@@ -27,7 +27,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from tracker.core import keys as schema
-from tracker.core import lua
+from tracker.core import lua, lua_lease, lua_router
 from tracker.core.blocks import Namespace
 from tracker.core.events import EventBatch
 from tracker.core.index import (
@@ -82,9 +82,9 @@ def _ms(seconds: float) -> int:
 
 
 def load_sums(reply: Sequence[Any]) -> dict[str, tuple[int, int, int]]:
-    """A load snapshot's reply (``tracker.core.lua`` ``load_snapshot``: replica, in flight, queued
-    tokens, age ms of the oldest still prefilling, ...) per replica; replica "" is another
-    router's presence."""
+    """A load snapshot's reply (``tracker.core.lua_router`` ``load_snapshot``: replica, in
+    flight, queued tokens, age ms of the oldest still prefilling, ...) per replica; replica ""
+    is another router's presence."""
     return {
         (raw.decode() if isinstance(raw, bytes) else str(raw)): (
             int(reply[i + 1]),
@@ -155,14 +155,14 @@ class RedisIndex:
         self._cluster = isinstance(client, RedisCluster)
         self._connection = connection or RedisConnection(client)
         self._server: str | None = None  # run_id of the server the ledgers were last written to
-        self._raise_fence = client.register_script(lua.FENCE_RAISE)
+        self._raise_fence = client.register_script(lua_lease.FENCE_RAISE)
         self.fence = 0  # fencing number of the elected tracker writing through this (0: none)
         self.election = ""  # ... and its election
         self._apply = client.register_script(lua.APPLY)
         self._lookup = client.register_script(lua.LOOKUP)
-        self._predict = client.register_script(lua.PREDICT)
-        self._claim = client.register_script(lua.CLAIM)
-        self._route = client.register_script(lua.ROUTE)
+        self._predict = client.register_script(lua_router.PREDICT)
+        self._claim = client.register_script(lua_router.CLAIM)
+        self._route = client.register_script(lua_router.ROUTE)
         self._rid_script = client.register_script(lua.RID)
         self._release_rid = client.register_script(lua.RELEASE_RID)
         self._heartbeat = client.register_script(lua.HEARTBEAT)
