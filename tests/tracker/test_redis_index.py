@@ -23,7 +23,8 @@ from tracker.core import lua
 from tracker.core.blocks import Namespace, block_keys
 from tracker.core.events import BlockRemoved, BlockStored
 from tracker.core.index import ReplicaRecord
-from tracker.core.redis_index import OPS_PER_CALL, RedisIndex
+from tracker.core.redis_index import RedisIndex
+from tracker.core.redis_writes import OPS_PER_CALL
 from tracker.framework.errors import ConfigError, IndexUnavailableError
 
 SEQ = list(range(1000, 1016))  # 4 blocks

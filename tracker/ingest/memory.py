@@ -17,7 +17,7 @@ from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
 
 if TYPE_CHECKING:
-    from tracker.core.redis_index import RedisMemory
+    from tracker.core.redis_recovery import RedisMemory
 
 logger = logging.getLogger(__name__)
 

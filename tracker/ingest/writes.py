@@ -1,7 +1,7 @@
 """The tracker's index writes: failures kept pending and flushed with backoff, one flusher.
 
 A Redis index that cannot be reached keeps absorbing batches into its ledgers and holds the
-resulting changes pending (see :mod:`tracker.core.redis_index`). The writer counts such failures,
+resulting changes pending (see :mod:`tracker.core.redis_writes`). The writer counts such failures,
 logs the outage once, and retries ``index.flush()`` with exponential backoff. Writes of
 different replicas run concurrently; the flush runs alone, because flushing one replica's
 pending state from two tasks at once would send it twice or drop it. A Redis that restarted
