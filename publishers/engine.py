@@ -25,7 +25,8 @@ from typing import Protocol
 
 import msgspec
 
-from publishers.cache import BlockPool, CachedBlock, KVCacheManager, TokenSequence, none_hash
+from publishers.block_hashes import TokenSequence, none_hash
+from publishers.cache import BlockPool, CachedBlock, KVCacheManager
 from publishers.config import EngineShape
 from publishers.latency import LatencyProfile, load_profile
 from publishers.probe import EngineProbe, QueuedWork, probe

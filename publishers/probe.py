@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from publishers.cache import KVCacheManager, TokenSequence
+from publishers.block_hashes import TokenSequence
+from publishers.cache import KVCacheManager
 from publishers.config import EngineShape
 from publishers.latency import LatencyProfile
 
