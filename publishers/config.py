@@ -53,7 +53,7 @@ class EngineShape:
     """A simulated engine's size and speed, declared once.
 
     :class:`ReplicaSettings` takes its defaults from these fields (its fields of the same
-    names); the engine's own config (:class:`publishers.engine.EngineConfig`) and the
+    names); the engine's own config (:class:`publishers.engine_config.EngineConfig`) and the
     benchmark's stack and fleet configs extend this class.
 
     Attributes:

@@ -20,7 +20,8 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from publishers.config import WILDCARD_HOSTS, ReplicaSettings, shape_fields, tcp_parts
-from publishers.engine import EngineConfig, SimulatedEngine
+from publishers.engine import SimulatedEngine
+from publishers.engine_config import EngineConfig
 from publishers.faults import debug_routes
 from publishers.registration import RegistrationService
 from publishers.server import create_app

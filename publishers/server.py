@@ -29,7 +29,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from publishers import protocol as wire
-from publishers.engine import GenerationRequest, RequestStream, SimulatedEngine
+from publishers.engine import SimulatedEngine
+from publishers.generation import GenerationRequest, RequestStream
 from publishers.metrics import ServerMetrics
 from publishers.protocol import Head, RequestError
 from publishers.serving import RequestIdMiddleware

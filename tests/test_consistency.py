@@ -18,7 +18,9 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from publishers.engine import CachedBlock, EngineConfig, GenerationRequest, SimulatedEngine
+from publishers.engine import CachedBlock, SimulatedEngine
+from publishers.engine_config import EngineConfig
+from publishers.generation import GenerationRequest
 from publishers.zmq import ZmqEventPublisher
 from tracker.core.blocks import Namespace, block_keys, own_extra_keys
 from tracker.core.keys import NamespaceKeys, bucket_entries

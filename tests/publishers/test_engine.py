@@ -12,13 +12,10 @@ from typing import Any
 
 import pytest
 
-from publishers.engine import (
-    CachedBlock,
-    EngineConfig,
-    GenerationRequest,
-    RequestStream,
-    SimulatedEngine,
-)
+from publishers.cache import CachedBlock
+from publishers.engine import SimulatedEngine
+from publishers.engine_config import EngineConfig
+from publishers.generation import GenerationRequest, RequestStream
 from tracker.core.event_codec import WireEra, decode_batch, encode_batch
 from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
