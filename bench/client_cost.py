@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from bench.stack import port_block
+from bench.stack_layout import port_block
 from router.upstream import KEEPALIVE_EXPIRY_S
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings, setting

@@ -37,7 +37,9 @@ import httpx
 
 from bench.loadgen import LoadGenerator, Result
 from bench.peers import PEERS, PeerArm, Worker, executable
-from bench.stack import LocalStack, StackConfig, StackError, VllmEngines
+from bench.process_group import StackError
+from bench.stack import LocalStack
+from bench.stack_config import StackConfig, VllmEngines
 from bench.workloads import Workload
 from publishers.config import EngineShape, shape_fields
 from publishers.latency import LatencyProfile, load_profile

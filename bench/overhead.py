@@ -36,7 +36,9 @@ import aiohttp
 
 from bench.peers import PEERS, Worker, executable, installed, named
 from bench.proxy_load import cpu_seconds
-from bench.stack import LocalStack, StackConfig, kvrouter_bin, port_block
+from bench.stack import LocalStack
+from bench.stack_config import StackConfig
+from bench.stack_layout import kvrouter_bin, port_block
 from bench.workloads import text
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings, setting

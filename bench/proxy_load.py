@@ -29,7 +29,8 @@ from typing import Any, Final
 
 import aiohttp
 
-from bench.stack import LocalStack, StackConfig
+from bench.stack import LocalStack
+from bench.stack_config import StackConfig
 from router.upstream import KEEPALIVE_EXPIRY_S
 
 MODEL: Final = "default"

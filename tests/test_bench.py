@@ -19,7 +19,7 @@ from bench.demo import DemoSettings
 from bench.demo import run as demo
 from bench.harness import FleetConfig
 from bench.matrix import MatrixSettings, full_tables, run_cell
-from bench.stack import VllmEngines
+from bench.stack_config import VllmEngines
 from bench.verdicts import Cell, verdict
 from tracker.framework.errors import ConfigError
 

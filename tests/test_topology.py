@@ -20,7 +20,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stack import LocalStack, StackConfig
+from bench.stack import LocalStack
+from bench.stack_config import StackConfig
 from router.proxy import REPLICA_HEADER
 
 pytestmark = pytest.mark.timeout(60)

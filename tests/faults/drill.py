@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.procs import sync_redis
 from bench.sentinels import sentinel_primary_port, sentinel_view
-from bench.stack import LocalStack, StackConfig
+from bench.stack import LocalStack
+from bench.stack_config import StackConfig
 from tests.faults.workload import MODEL, Result, Workload
 from tracker.core.blocks import Namespace
 from tracker.core.keys import NamespaceKeys, bucket_entries

@@ -21,7 +21,8 @@ import openai
 import pytest
 import redis
 
-from bench.stack import LocalStack, StackConfig, VllmEngines
+from bench.stack import LocalStack
+from bench.stack_config import StackConfig, VllmEngines
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.vllm.conftest import MODEL, VLLM
 

@@ -1,0 +1,323 @@
+"""The local stack laid out: free loopback ports, where each of its processes listens, and the
+command line each is started with (redis-server and Sentinels, engines, trackers, routers and
+haproxy)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.process_group import ProcessGroup, StackError
+from bench.procs import redis_server_argv
+from bench.sentinels import SENTINEL_SERVICE, sentinel_config
+from bench.stack_config import StackConfig
+
+
+def kvrouter_bin() -> str:
+    """The ``kvrouter`` console script of this interpreter's environment."""
+    candidate = Path(sys.executable).parent / "kvrouter"
+    return str(candidate) if candidate.exists() else "kvrouter"
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux; else IANA's)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49_152, 65_535
+
+
+def port_block(count: int, start: int = 20_000, stop: int | None = None) -> int:
+    """First port of ``count`` consecutive loopback ports that are free right now.
+
+    The block stays below the ephemeral range (``stop`` defaults to its first port): there,
+    the stack's own outgoing connections could take a port between this check and the bind.
+    """
+    if stop is None:
+        low, high = ephemeral_ports()
+        start, stop = (start, low) if low - start > count else (high + 1, 65_536)
+    if stop - start <= count:
+        raise StackError(f"no room for {count} ports in {start}..{stop}")
+    base = start + (os.getpid() * 97) % (stop - start - count)
+    for _ in range(200):
+        if all(_free(base + i) for i in range(count)):
+            return base
+        base = start + (base - start + count + 17) % (stop - start - count)
+    raise StackError(f"no block of {count} free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class StackLayout(ProcessGroup):
+    """The stack's ports and addresses, known after construction, and the command line of each
+    of its processes (:class:`~bench.stack.LocalStack` starts them)."""
+
+    config: StackConfig = field(default_factory=StackConfig)
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        super().__init__(cfg.workdir or Path(tempfile.mkdtemp(prefix="kvrouter-stack-")))
+        n = cfg.replicas
+        base = port_block(4 + 3 * n + 2 * cfg.routers + (4 if cfg.sentinel else 0))
+        self.redis_port = base
+        self.haproxy_port = base + 1
+        self.tracker_port = base + 2
+        self.standby_tracker_port = base + 3
+        self.replica_port = base + 4
+        self.events_port = self.replica_port + n
+        self.replay_port = self.events_port + n
+        self.router_ports = [self.replay_port + n + i for i in range(cfg.routers)]
+        # spare ports beside each router's, for what replaces it (a peer's metrics server)
+        self.spare_ports = [p + cfg.routers for p in self.router_ports]
+        after = self.replay_port + n + 2 * cfg.routers
+        self.redis_replica_port = after if cfg.sentinel else None
+        self.sentinel_ports = [after + 1 + i for i in range(3)] if cfg.sentinel else []
+
+    # ------------------------------------------------------------------ addresses
+
+    @property
+    def redis_url(self) -> str | None:
+        if not self.config.redis:
+            return None
+        if self.sentinel_ports:
+            hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+            return f"redis+sentinel://{hosts}/{SENTINEL_SERVICE}/0"
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def router_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.router_ports]
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.replica_port + i}" for i in range(self.config.replicas)]
+
+    @property
+    def entry_url(self) -> str:
+        """Where clients connect: haproxy when there is one, else the first router."""
+        if self.config.haproxy and self.config.routers > 1:
+            return f"http://127.0.0.1:{self.haproxy_port}"
+        return self.router_urls[0]
+
+    @property
+    def replica_ids(self) -> list[str]:
+        """Engine ids, in port order."""
+        if self.config.replica_processes:
+            return [f"replica-{i}-0" for i in range(self.config.replicas)]
+        return [f"replica-{i}" for i in range(self.config.replicas)]
+
+    def replica_specs(self) -> list[str]:
+        """``--replica`` flags for the engines (used without Redis)."""
+        return [
+            f"{self.replica_ids[i]}=tcp://127.0.0.1:{self.events_port + i},"
+            f"replay=tcp://127.0.0.1:{self.replay_port + i},url={url}"
+            for i, url in enumerate(self.replica_urls)
+        ]
+
+    # ------------------------------------------------------------------ processes
+
+    def _plan(self) -> None:
+        cfg, kv = self.config, kvrouter_bin()
+        redis_flags = ["--redis", self.redis_url] if self.redis_url else []
+        if cfg.redis:
+            try:
+                argv = redis_server_argv(self.redis_port, self.workdir)
+            except RuntimeError as exc:
+                raise StackError(str(exc)) from None
+            self._add("redis", argv, None, port=self.redis_port)
+            if self.redis_replica_port is not None:
+                self._plan_sentinels(argv[0])
+        if cfg.vllm is not None:
+            for i in range(cfg.replicas):
+                argv = cfg.vllm.argv(
+                    cfg.model,
+                    cfg.block_size,
+                    self.replica_port + i,
+                    self.events_port + i,
+                    self.replay_port + i,
+                    index=i,
+                )
+                env = dict(cfg.vllm.env)
+                if cfg.vllm.attach and self.redis_url:
+                    # the shim inside vLLM heartbeats the registry entry (publishers/vllm.py)
+                    env |= {
+                        "KVROUTER_ATTACH_REDIS": self.redis_url,
+                        "KVROUTER_ATTACH_ID": self.replica_ids[i],
+                        "KVROUTER_ATTACH_URL": self.replica_urls[i],
+                        "KVROUTER_ATTACH_EVENTS": f"tcp://127.0.0.1:{self.events_port + i}",
+                        "KVROUTER_ATTACH_REPLAY": f"tcp://127.0.0.1:{self.replay_port + i}",
+                        "KVROUTER_ATTACH_MODEL": cfg.model,
+                        "KVROUTER_ATTACH_BLOCK_SIZE": str(cfg.block_size),
+                        "KVROUTER_ATTACH_HEARTBEAT_S": "1",
+                        "KVROUTER_ATTACH_TTL_S": "5",
+                    }
+                self._add(f"vllm-{i}", argv, f"{self.replica_urls[i]}/health", env)
+        else:
+            groups = (
+                [(f"replica-{i}", i, 1) for i in range(cfg.replicas)]
+                if cfg.replica_processes
+                else [("replicas", 0, cfg.replicas)]
+            )
+            for name, first, count in groups:
+                ids = ["--id-prefix", f"replica-{first}-"] if cfg.replica_processes else []
+                self._add_replicas(name, first, count, [*ids, *redis_flags])
+        # engines nobody registers are given to every process
+        static = not cfg.redis or (cfg.vllm is not None and not cfg.vllm.attach)
+        every = [f for s in self.replica_specs() for f in ("--replica", s)]
+        specs = every if static else []
+        vllm_flags = []
+        if cfg.vllm is not None:
+            model = str(cfg.vllm.model)
+            vllm_flags = ["--tokenizer", model, "--chat-template", f"{model}/tokenizer_config.json"]
+        if cfg.redis:
+            tracker = [kv, "tracker", *redis_flags, "--http-port", str(self.tracker_port)]
+            if static:
+                tracker += ["--model", cfg.model, "--block-size", str(cfg.block_size), *specs]
+            self._plan_trackers([*tracker, *cfg.tracker_args])
+        if cfg.local_index and cfg.redis:
+            specs = ["--local-index", *every]
+        for i, port in enumerate(self.router_ports):
+            replicas = [*specs, *vllm_flags]
+            self._add(
+                f"router-{i}",
+                [
+                    kv,
+                    "router",
+                    "--port",
+                    str(port),
+                    "--router-id",
+                    f"router-{i}",
+                    "--model",
+                    cfg.model,
+                    "--block-size",
+                    str(cfg.block_size),
+                    *redis_flags,
+                    *replicas,
+                    *cfg.router_args,
+                ],
+                f"http://127.0.0.1:{port}/health",
+            )
+        if cfg.haproxy and cfg.routers > 1:
+            self._add("haproxy", self._haproxy_argv(), None)
+
+    def _add_replicas(self, name: str, first: int, count: int, flags: list[str]) -> None:
+        cfg = self.config
+        self._add(
+            name,
+            [
+                kvrouter_bin(),
+                "replica",
+                "--count",
+                str(count),
+                "--port",
+                str(self.replica_port + first),
+                # vLLM's rule: a PUB on a named host connects out, only a wildcard binds;
+                # the registered endpoints use --host (127.0.0.1) all the same
+                "--events",
+                f"tcp://*:{self.events_port + first}",
+                "--replay",
+                f"tcp://127.0.0.1:{self.replay_port + first}",
+                "--model",
+                cfg.model,
+                *cfg.replica_flags(),
+                *flags,
+                *cfg.replica_args,
+            ],
+            f"{self.replica_urls[first + count - 1]}/health",
+        )
+
+    def _haproxy_argv(self) -> list[str]:
+        binary = shutil.which("haproxy")
+        if binary is None:
+            raise StackError("haproxy is not installed (scripts/install installs it)")
+        servers = "\n".join(
+            f"    server router-{i} 127.0.0.1:{p} check inter 500ms fall 2 rise 2"
+            for i, p in enumerate(self.router_ports)
+        )
+        # as deploy/haproxy.cfg: when every router is out (each answers /health 503 because
+        # no engine is up), connections still reach them and get a fast OpenAI 503 instead of
+        # being cut by haproxy without an answer
+        servers += "\n    option allbackups\n" + "\n".join(
+            f"    server router-{i}-spare 127.0.0.1:{p} backup"
+            for i, p in enumerate(self.router_ports)
+        )
+        config = self.workdir / "haproxy.cfg"
+        config.write_text(
+            "global\n    maxconn 4096\n\n"
+            "defaults\n    mode tcp\n    timeout connect 2s\n"
+            "    timeout client 10m\n    timeout server 10m\n"
+            # as deploy/haproxy.cfg: a connection a dead router refuses goes to another one
+            "    retries 2\n    option redispatch\n\n"
+            f"frontend kvrouter\n    bind 127.0.0.1:{self.haproxy_port}\n"
+            "    default_backend routers\n\n"
+            "backend routers\n    balance roundrobin\n"
+            "    option httpchk GET /health\n"
+            f"{servers}\n"
+        )
+        return [binary, "-db", "-f", str(config)]
+
+    def _plan_trackers(self, argv: list[str]) -> None:
+        lease = self.config.tracker_lease_s
+        if lease > 0:
+            argv = [*argv, "--lease-ttl-s", str(lease)]
+        self._add("tracker", argv, f"http://127.0.0.1:{self.tracker_port}/health")
+        if lease > 0:  # started once the first one is up: it stands by
+            port = self.standby_tracker_port
+            standby = [*argv, "--http-port", str(port)]
+            self._add("standby-tracker", standby, f"http://127.0.0.1:{port}/health")
+
+    def _plan_sentinels(self, binary: str) -> None:
+        assert self.redis_replica_port is not None
+        replica_dir = self.workdir / "redis-replica"
+        replica_dir.mkdir(exist_ok=True)
+        replicaof = ("--replicaof", "127.0.0.1", str(self.redis_port))
+        argv = redis_server_argv(self.redis_replica_port, replica_dir, *replicaof)
+        self._add("redis-replica", argv, None, port=self.redis_replica_port)
+        for i, port in enumerate(self.sentinel_ports):
+            conf = sentinel_config(port, self.workdir, self.redis_port, down_after_ms=1000)
+            self._add(f"sentinel-{i}", [binary, str(conf), "--sentinel"], None, port=port)
+
+    def endpoints(self) -> list[tuple[str, str, str]]:
+        """Per engine, in port order: HTTP URL, event (PUB) and replay endpoints to connect to."""
+        return [
+            (
+                url,
+                f"tcp://127.0.0.1:{self.events_port + i}",
+                f"tcp://127.0.0.1:{self.replay_port + i}",
+            )
+            for i, url in enumerate(self.replica_urls)
+        ]
+
+    def describe(self) -> dict[str, Any]:
+        """Where everything listens (for people: ``python -m bench.stack`` prints it)."""
+        out: dict[str, Any] = {
+            "entry": self.entry_url,
+            "routers": self.router_urls,
+            "replicas": self.replica_urls,
+            "events": [
+                f"tcp://127.0.0.1:{self.events_port + i}" for i in range(self.config.replicas)
+            ],
+            "replay": [
+                f"tcp://127.0.0.1:{self.replay_port + i}" for i in range(self.config.replicas)
+            ],
+            "logs": str(self.workdir),
+        }
+        if self.redis_url is not None:
+            out["redis"] = self.redis_url
+            out["tracker"] = f"http://127.0.0.1:{self.tracker_port}"
+        return out
