@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Final
 
 from bench.capacity import capacity, measure_shape
-from bench.harness import POLICIES, FleetConfig, Harness
+from bench.fleet import FleetConfig
+from bench.harness import POLICIES, Harness
 from bench.peers import INSTALL_HINT, missing
 from bench.plan import Plan
 from bench.plots import require_matplotlib

@@ -18,9 +18,9 @@ The real peer routers (:mod:`bench.peers`: ``vllm-kv``, ``vllm-cache``, ``smg``)
 too: for their pass the kvrouter routers are stopped and the peer's own instances started on
 the same ports (behind the same haproxy when there are several), in front of the same engines.
 
-Scenario knobs of a run (:class:`FleetConfig`): a share of the conversations sent straight to
-the engines past every router (``bypass_share``), and one engine SIGKILLed and restarted
-empty a given time into each pass (``restart_engine_at_s``).
+Scenario knobs of a run (:class:`~bench.fleet.FleetConfig`): a share of the conversations
+sent straight to the engines past every router (``bypass_share``), and one engine SIGKILLed
+and restarted empty a given time into each pass (``restart_engine_at_s``).
 """
 
 from __future__ import annotations
@@ -30,22 +30,18 @@ import contextlib
 import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final
 
 import httpx
 
+from bench.fleet import FleetConfig
 from bench.loadgen import LoadGenerator, Result
 from bench.peers import PEERS, PeerArm, Worker, executable
 from bench.process_group import StackError
 from bench.stack import LocalStack
-from bench.stack_config import StackConfig, VllmEngines
 from bench.workloads import Workload
-from publishers.config import EngineShape, shape_fields
-from publishers.latency import LatencyProfile, load_profile
 from router.policies import BASELINES
 from router.policies import POLICIES as ROUTER_POLICIES
-from router.policytypes import PolicyConfig, SpeedEstimate
 
 KVROUTER: Final = ROUTER_POLICIES[0]  # kvrouter's own policy, first in the registry (ttft)
 BOUND: Final = "oracle"  # reads the engines' real caches: the upper bound, run last in-router
@@ -57,100 +53,8 @@ POLICY_FLAGS: Final = {name: name for name in BASELINES if name != BOUND} | {
 and kvrouter's own policy, each with the ``--policy`` the routers run it with."""
 POLICIES: Final = (*POLICY_FLAGS, *PEERS)
 """Every arm of the benchmark: the in-router ones, then the real peers (:mod:`bench.peers`)."""
-# Real-time router guards sized for a shared benchmark machine, where the router's event loop
-# and Redis are descheduled for tens of ms at a time (docs/benchmarks.md); deployments keep
-# the defaults (10 ms index budget, 1 s connect timeout). Later --router-args win.
-BENCH_ROUTER_ARGS: Final = ("--lookup-timeout-ms", "100", "--connect-timeout-s", "10")
 _SETTLE_TIMEOUT_S: Final = 60.0
 _PREDICTIONS_EXPIRE_S: Final = 3.5  # a router's predictions outlive it (--predict-ttl-s 3)
-
-
-def lone_prefill_speed(
-    profile: LatencyProfile, max_num_batched_tokens: int, time_scale: float = 1.0
-) -> SpeedEstimate:
-    """The simulated prefill of a lone prompt on an idle engine (its chunks one step each),
-    as a line, times ``time_scale``: the slope between 1k and 8k tokens, the floor through a
-    hit's 64-token tail (the step floor)."""
-
-    def lone_ms(tokens: int) -> float:
-        done, total = 0, 0.0
-        while done < tokens:
-            chunk = min(max_num_batched_tokens, tokens - done)
-            total += profile.step_ms([(chunk, done)], [])
-            done += chunk
-        return total * time_scale
-
-    short, long = 1024, 8192
-    slope = (lone_ms(long) - lone_ms(short)) / (long - short)
-    return SpeedEstimate(max(0.0, lone_ms(64) - slope * 64), slope)
-
-
-@dataclass(frozen=True, kw_only=True)
-class FleetConfig(EngineShape):
-    """The fleet every policy runs on: ``replicas`` engines of this shape, and the routers.
-
-    The defaults are ``kvrouter bench``'s (:mod:`bench.commands` shows them in its help):
-    engines many times slower than an H200, so that the router's own time, in real
-    milliseconds, weighs little in simulated latencies (docs/benchmarks.md, "Time scale").
-    """
-
-    time_scale: float = 20.0
-    replicas: int = 8
-    routers: int = 1
-    redis: bool = True
-    local_index: bool = False
-    router_args: tuple[str, ...] = ()
-    replica_args: tuple[str, ...] = ()
-    workdir: Path | None = None
-    bypass_share: float = 0.0
-    restart_engine_at_s: float | None = None
-    seed: int = 1
-    # real vLLM engines instead of simulated ones (served as "default"; time scale 1)
-    vllm: VllmEngines | None = None
-
-    def prefill_seed_args(self) -> tuple[str, ...]:
-        """The routers' engine-time constants for these engines, as a deployment seeds its own
-        from calibration: the prefill-speed seed, a lone prompt's simulated prefill (chunked
-        as the engines chunk it) at 1k and 8k tokens, in the real milliseconds the engines
-        take at this time scale; and the policy's other durations (the KV-full penalty, the
-        decode cost of a running request), ``time_scale`` times an H200's. The defaults are
-        an H200's: 3x too fast for engines at time scale 3. The slope is learned only from
-        the rare cold prefills (docs/architecture.md); the other two are not learned, and
-        unscaled they made a full home look a third as slow as it was (load 50 %: TTFT p95
-        582 ms against 169 scaled, docs/benchmarks.md)."""
-        speed = lone_prefill_speed(
-            load_profile(self.profile, floor_ms=self.floor_ms),
-            self.max_num_batched_tokens,
-            self.time_scale,
-        )
-        policy = PolicyConfig()
-        return (
-            "--prefill-floor-ms",
-            f"{speed.floor_ms:.3f}",
-            "--prefill-ms-per-token",
-            f"{speed.prefill_ms_per_token:.6f}",
-            "--kv-full-penalty-ms",
-            f"{policy.kv_full_penalty_ms * self.time_scale:.3f}",
-            "--decode-ms-per-request",
-            f"{policy.decode_ms_per_request * self.time_scale:.6f}",
-        )
-
-    def stack(self) -> StackConfig:
-        return StackConfig(
-            **shape_fields(self),
-            replicas=self.replicas,
-            routers=self.routers if self.redis else 1,
-            redis=self.redis,
-            haproxy=self.redis and self.routers > 1,
-            local_index=self.local_index,
-            router_args=(*BENCH_ROUTER_ARGS, *self.prefill_seed_args(), *self.router_args),
-            # vllm-router replays only from the 4-frame layout (kvrouter reads both)
-            replica_args=("--replay-layout", "topic", *self.replica_args),
-            workdir=self.workdir,
-            # one process per engine, so that one engine can be restarted alone
-            replica_processes=self.restart_engine_at_s is not None,
-            vllm=self.vllm,
-        )
 
 
 @dataclass

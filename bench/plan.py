@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.capacity import Capacity, WorkloadShape
-from bench.harness import FleetConfig
+from bench.fleet import FleetConfig
 from bench.workloads import Workload
 
 

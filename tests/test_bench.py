@@ -17,7 +17,7 @@ import pytest
 from bench.commands import QUICK, BenchSettings, plan, run
 from bench.demo import DemoSettings
 from bench.demo import run as demo
-from bench.harness import FleetConfig
+from bench.fleet import FleetConfig
 from bench.matrix import MatrixSettings, full_tables, run_cell
 from bench.stack_config import VllmEngines
 from bench.verdicts import Cell, verdict

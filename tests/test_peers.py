@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import FleetConfig, Harness
+from bench.fleet import FleetConfig
+from bench.harness import Harness
 from bench.peers import PEERS, missing
 from bench.summary import summarize
 from bench.workloads import Workload, shared_prefix, with_poisson_arrivals

@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from bench.harness import POLICIES, POLICY_FLAGS, FleetConfig, lone_prefill_speed
+from bench.fleet import FleetConfig, lone_prefill_speed
+from bench.harness import POLICIES, POLICY_FLAGS
 from bench.peers import PEERS
 from publishers.config import EngineShape, ReplicaSettings, shape_fields
 from publishers.latency import load_profile
