@@ -38,42 +38,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from bench.capacity import WorkloadShape, capacity, ttft_floors
+from bench.capacity import ttft_floors
 from bench.commands import BenchSettings, plan
 from bench.harness import POLICIES, Harness, PolicyRun
+from bench.matrix_cells import AXES, cells
+from bench.matrix_report import full_tables, replace_section, report
 from bench.peers import INSTALL_HINT, missing
 from bench.plots import matrix_plots, require_matplotlib
 from bench.report import add_ratios, document
-from bench.report import markdown as policy_table
 from bench.summary import concatenate, percentile, summarize
-from bench.verdicts import Cell, Verdict, best_peers, headline, verdict
-from publishers.config import EngineShape
+from bench.verdicts import Cell, Verdict, headline, verdict
 from tracker.core.tokens import Tokenizer
 from tracker.framework.cli import Command
 from tracker.framework.config import LogSettings
 from tracker.framework.errors import ConfigError
 from tracker.framework.settings import setting
 
-AXES: Final = ("cache", "load", "routers", "bypass", "restart", "conversation")
-# 10 groups x 32: 3 % of the requests are their group's first (cold), so TTFT p95 measures
-# the hits and what delays them, p99 the cold prefills (with 5 % cold, p95 sat on the edge
-# and one extra miss moved it by half)
-BASE: Final[dict[str, Any]] = {
-    "workload": "gsp",
-    "replicas": 4,
-    "groups": 10,
-    "prompts_per_group": 32,
-    "system_tokens": 4800,
-    "question_tokens": 150,
-    "output_tokens": 64,
-}
-BASE_RATE: Final = 8.0  # req/s: light on a roomy cache, beyond cache-blind at 400 blocks
 # the in-router emulations of the approximate designs (seed, sglang) give way to the real peers
 POLICIES_DEFAULT: Final = (
     "round-robin",
@@ -84,73 +68,6 @@ POLICIES_DEFAULT: Final = (
     "vllm-cache",
     "smg",
 )
-PRESSURE: Final = 700  # blocks: the 10 prefixes (3,010 blocks) do not fit in 4 x 700
-# Where the caches hold every prefix at light load, every prefix-aware router keeps each
-# group home and the verdict turns on a few milliseconds of p95, which one pass does not
-# settle (1,024 blocks: smg's p95 was 54.7, 73.3 and 61.0 ms in three seeds' passes), and
-# the best of three peers' noisy values sits below what each would give (4,096 blocks: the
-# best peer's p95 52.3-53.4 pass by pass, 54.8 pooled). Those cells pool three seeds.
-LIGHT_SEEDS: Final = 3
-EVENT_AXES: Final = ("routers", "bypass", "restart")  # where only events know the truth
-README_BEGIN: Final = "<!-- bench:matrix:begin -->"
-README_END: Final = "<!-- bench:matrix:end -->"
-
-
-def cells(axes: Sequence[str] = AXES) -> list[Cell]:
-    """The matrix (see the module docstring), for the axes asked for."""
-    base = {**BASE, "rate": BASE_RATE}
-    pressure = {**base, "num_blocks": PRESSURE}
-    out: list[Cell] = []
-    if "cache" in axes:
-        for blocks, label in ((4096, "4096 roomy"), (1024, "1024"), (700, "700"), (400, "400")):
-            settings = {**base, "num_blocks": blocks}
-            seeds = LIGHT_SEEDS if blocks >= 1024 else 1
-            out.append(Cell("cache", label, settings, events=blocks < 1024, seeds=seeds))
-    if "load" in axes:
-        for load in (0.25, 0.5, 0.75, 1.0):
-            settings = {**BASE, "num_blocks": 1024, "load": load}
-            seeds = LIGHT_SEEDS if load <= 0.25 else 1
-            out.append(Cell("load", f"{load:.0%}", settings, seeds=seeds))
-    if "routers" in axes:
-        for routers in (1, 2, 4):
-            settings = pressure if routers == 1 else {**pressure, "routers": routers}
-            out.append(Cell("routers", str(routers), settings, events=True))
-    if "bypass" in axes:
-        out.append(Cell("bypass", "25%", {**pressure, "bypass": 0.25}, events=True))
-    if "restart" in axes:
-        restart = {**pressure, "restart_engine_at_s": 15.0}
-        out.append(Cell("restart", "engine at 15 s", restart, events=True))
-    if "conversation" in axes:
-        chat = {
-            "workload": "multiturn",
-            "replicas": 4,
-            "users": 32,
-            "rounds": 6,
-            "system_tokens": 1000,
-            "context_tokens": 2000,
-            "question_tokens": 64,
-            "output_tokens": 400,
-            "think_s": 3.0,
-            "num_blocks": 1024,
-            "rate": 8.0,
-        }
-        trace = {
-            "workload": "trace",
-            "trace": "bench/traces/synthetic_conversation.jsonl",
-            "max_requests": 300,
-            "replicas": 8,
-            "num_blocks": 58_000,
-            "time_scale": 1.0,
-        }
-        # 16 users x ~365 blocks at their last turn: 4 per engine fit in 2,048 blocks when
-        # each stays on one engine; 32 users in 1,024 blocks need twice the fleet's KV
-        fits = {**chat, "users": 16, "num_blocks": 2048}
-        out += [
-            Cell("conversation", "multi-turn", fits),
-            Cell("conversation", "multi-turn 2x KV", chat),
-            Cell("conversation", "trace", trace),
-        ]
-    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,139 +177,6 @@ def run_cell(cell: Cell, settings: MatrixSettings, path: Path) -> dict[str, Any]
     }
     path.with_suffix(".raw.json").write_text(json.dumps(raw) + "\n")
     return doc
-
-
-# ------------------------------------------------------------------ report
-
-
-def _ms(value: float) -> str:
-    return "-" if value is None or math.isnan(value) else f"{value:,.0f}"
-
-
-def _pct(value: float) -> str:
-    return "-" if value is None or math.isnan(value) else f"{value:.1%}"
-
-
-def _times(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.2f}x"
-
-
-def axis_table(verdicts: Sequence[Verdict]) -> str:
-    """One axis as Markdown: per cell the bounds, kvrouter, the best peer, the ratios."""
-    lines = [
-        "| cell | bound: hit / TTFT p50 / p95 | kvrouter: hit / p50 / p95 | best peer: hit / p50 "
-        "/ p95 | hit vs best peer | p50 best peer / kvrouter | p95 best peer / kvrouter | "
-        "goal | beside the goal: mean TTFT, output tok/s |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for v in verdicts:
-        bound, kv = v.doc.get("bound", {}), v.kv
-        floor = bound.get("ttft_floor_ms", {})
-        best = v.best
-        peer = (
-            " / ".join(
-                (
-                    f"{_pct(best['hit_rate'][1])} ({best['hit_rate'][0]})",
-                    f"{_ms(best['p50'][1])} ({best['p50'][0]})",
-                    f"{_ms(best['p95'][1])} ({best['p95'][0]})",
-                )
-            )
-            if best
-            else "-"
-        )
-        mine = (
-            f"{_pct(kv.hit_rate)} / {_ms(kv.ttft_ms['p50'])} / {_ms(kv.ttft_ms['p95'])}"
-            if kv
-            else "-"
-        )
-        goal = ("met" if v.met else "**missed**") + (" (events)" if v.cell.events else "")
-        hit = v.ratio("hit_rate")
-        mean, rate = v.beside()
-        seeds = len(v.doc.get("seeds", []))
-        label = v.cell.label + (f" ({seeds} seeds)" if seeds > 1 else "")
-        lines.append(
-            f"| {label} | {_pct(bound.get('ideal_hit_rate', math.nan))} / "
-            f"{_ms(floor.get('p50', math.nan))} / {_ms(floor.get('p95', math.nan))} | {mine} | "
-            f"{peer} | {'-' if math.isnan(hit) else f'{hit:+.1f} pts'} | "
-            f"{v.ratio('p50'):.2f}x | {v.ratio('p95'):.2f}x | {goal} | "
-            f"{_times(mean)} / {_times(rate)} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-AXIS_TITLES: Final = {
-    "cache": "KV cache per engine (blocks of 16 tokens; 8 req/s)",
-    "load": "load, share of the ideal capacity (1,024 blocks)",
-    "routers": "routers behind haproxy (700 blocks, 8 req/s)",
-    "bypass": "outside traffic straight to the engines (700 blocks, 8 req/s)",
-    "restart": "an engine restarted mid-run (700 blocks, 8 req/s)",
-    "conversation": "conversation traffic",
-}
-
-
-def report(verdicts: Sequence[Verdict]) -> str:
-    """Every axis's table, in axis order."""
-    parts = []
-    for axis in AXES:
-        mine = [v for v in verdicts if v.cell.axis == axis]
-        if mine:
-            parts.append(f"**{AXIS_TITLES[axis]}**\n\n{axis_table(mine)}")
-    return "\n".join(parts)
-
-
-def ideal_load(meta: dict[str, Any]) -> float:
-    """The cell's arrival rate over the ideal capacity as :mod:`bench.capacity` reckons it now
-    (from the workload shape and fleet stored with the run, so that runs made before a fix
-    of the capacity model read alike)."""
-    fleet = meta["fleet"]
-    engine = EngineShape(
-        profile=fleet["profile"], num_blocks=fleet["num_blocks"], block_size=fleet["block_size"]
-    )
-    ideal = capacity(WorkloadShape(**meta["shape"]), engine, fleet["replicas"]).ideal_rps
-    return float(meta["rate_rps"]) / ideal if ideal else 0.0
-
-
-def full_tables(verdicts: Sequence[Verdict]) -> str:
-    """Every cell's whole per-policy table (docs/matrix.md)."""
-    parts = []
-    for v in verdicts:
-        meta = v.doc
-        seeds = meta.get("seeds", [])
-        requests = f"{meta['requests']} requests"
-        if len(seeds) > 1:
-            requests += f" x {len(seeds)} seeds ({', '.join(map(str, seeds))}; pooled)"
-        parts.append(
-            f"### {v.cell.axis}: {v.cell.label}\n\n"
-            f"{meta['workload']['name']}, {requests}, "
-            f"{meta['fleet']['replicas']} engines x {meta['fleet']['num_blocks']} blocks, "
-            f"{meta['fleet']['routers']} router(s), {meta['rate_rps']:.1f} req/s "
-            f"({ideal_load(meta):.0%} of the ideal capacity), time scale {meta['time_scale']:g}; "
-            f"run {meta['date']}\n\n{policy_table(v.summaries, [])}{per_seed(v)}"
-        )
-    return "\n".join(parts)
-
-
-def per_seed(v: Verdict) -> str:
-    """A pooled cell's verdict ratios seed by seed (best peer / kvrouter), or nothing."""
-    lines = []
-    for one in v.doc.get("passes", []):
-        best, kv = best_peers(one["policies"]), one["policies"].get("kvrouter")
-        if not best or not kv:
-            continue
-        p50, p95 = (best[q][1] / kv[q] for q in ("p50", "p95"))
-        hits = 100.0 * (kv["hit_rate"] - best["hit_rate"][1])
-        lines.append(f"seed {one['seed']}: p50 {p50:.2f}x, p95 {p95:.2f}x, {hits:+.1f} pts")
-    if not lines:
-        return ""
-    return "\nBest peer / kvrouter in each seed's pass: " + "; ".join(lines) + ".\n"
-
-
-def replace_section(text: str, body: str) -> str:
-    """``text`` with the part between the matrix markers replaced by ``body``."""
-    start, end = text.find(README_BEGIN), text.find(README_END)
-    if start < 0 or end < start:
-        raise ConfigError(f"no {README_BEGIN} ... {README_END} section to rewrite")
-    return text[: start + len(README_BEGIN)] + "\n" + body + text[end:]
 
 
 def result_path(cell: Cell, directory: Path) -> Path | None:

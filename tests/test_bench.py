@@ -18,7 +18,8 @@ from bench.commands import QUICK, BenchSettings, plan, run
 from bench.demo import DemoSettings
 from bench.demo import run as demo
 from bench.fleet import FleetConfig
-from bench.matrix import MatrixSettings, full_tables, run_cell
+from bench.matrix import MatrixSettings, run_cell
+from bench.matrix_report import full_tables
 from bench.stack_config import VllmEngines
 from bench.verdicts import Cell, verdict
 from tracker.framework.errors import ConfigError

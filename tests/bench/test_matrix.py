@@ -9,18 +9,15 @@ from pathlib import Path
 import pytest
 
 from bench.commands import BenchSettings, plan
-from bench.matrix import (
-    AXES,
+from bench.matrix import MatrixSettings, load_verdicts, result_path
+from bench.matrix_cells import AXES, cells
+from bench.matrix_report import (
     README_BEGIN,
     README_END,
-    MatrixSettings,
     axis_table,
-    cells,
     full_tables,
-    load_verdicts,
     replace_section,
     report,
-    result_path,
 )
 from bench.report import document
 from bench.summary import Summary
