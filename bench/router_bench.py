@@ -47,7 +47,7 @@ from bench.router_fixture import (
 )
 from router.config import RouterSettings
 from router.placement import Placement
-from router.redisload import RedisLoadBoard
+from router.redis_load import RedisLoadBoard
 from router.tokenize import TokenizerBook
 from tracker.core.blocks import Namespace
 from tracker.core.redis_index import RedisIndex

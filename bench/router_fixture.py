@@ -19,7 +19,7 @@ from bench.corpus import Lexicon
 from router.app import Router
 from router.config import RouterSettings
 from router.placement import Placement, Placer
-from router.redisload import RedisLoadBoard
+from router.redis_load import RedisLoadBoard
 from router.requests import PromptRequest, parse
 from router.service import load_board
 from router.tokenize import TokenizerBook

@@ -31,7 +31,7 @@ from publishers.latency import LatencyProfile, load_profile
 from publishers.probe import EngineProbe, QueuedWork, probe
 from tracker.core.events import Event
 
-__all__ = ["CachedBlock", "EngineStats", "EventSink", "SimulatedEngine"]
+__all__ = ["EngineStats", "EventSink", "SimulatedEngine"]
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from router.placement import Placer
 from router.policies import make_baseline
 from router.policies.baseline import Tools
 from router.proxy import Proxy
-from router.redisload import RedisLoadBoard
+from router.redis_load import RedisLoadBoard
 from router.replicas import ReplicaSet
 from router.requests import parse, read_body
 from router.routefeed import RouteFeed

@@ -23,7 +23,7 @@ from prometheus_client import Gauge
 
 from router.load import Load, LoadBoard
 from router.metrics import RouterMetrics
-from router.redisload import RedisLoadBoard
+from router.redis_load import RedisLoadBoard
 from router.routefeed import RouteFeed
 from tracker.core.blocks import Namespace
 from tracker.core.index import BlockIndex, Home, Match, Residency, Survey

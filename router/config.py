@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from router.policies import POLICIES
-from router.policytypes import DEFAULT_SPEED, PolicyConfig, SpeedEstimate
+from router.policy_types import DEFAULT_SPEED, PolicyConfig, SpeedEstimate
 from tracker.core.index import LOAD_TTL_S
 from tracker.core.replicas import ReplicaSpec
 from tracker.framework.config import ServiceSettings

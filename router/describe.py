@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from router.placement import Placement
-from router.policytypes import SpeedEstimate
+from router.policy_types import SpeedEstimate
 from router.replicas import Replica
 from tracker.core.index import describe_match
 

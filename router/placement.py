@@ -28,7 +28,7 @@ from router.metrics import RouterMetrics
 from router.occupancy import OccupancyBook
 from router.policies.baseline import Baseline, Choice
 from router.policy import decide
-from router.policytypes import Decision, PolicyConfig, ReplicaState, Score
+from router.policy_types import Decision, PolicyConfig, ReplicaState, Score
 from router.replicas import Replica, ReplicaSet
 from router.requests import PromptRequest
 from router.reuse import ReuseBook

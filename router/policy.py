@@ -1,7 +1,7 @@
 """Routing policy: the lowest expected TTFT plus what the choice costs others; pure, no I/O.
 
 :func:`decide` picks a candidate (ties, sampling); :mod:`router.scoring` computes each
-candidate's score, from the types in :mod:`router.policytypes`.
+candidate's score, from the types in :mod:`router.policy_types`.
 
 Score (``mode="ttft"``, the default), in milliseconds
 -----------------------------------------------------
@@ -50,7 +50,7 @@ the prompt's prefixes were sent (:class:`~router.scoring.Fleet`,
 ``ReplicaState.home_blocks``).
 docs/architecture.md says why each term is there and what it changed, with numbers.
 
-Defaults: ``s = 0.032 ms/token`` and ``f = 25 ms`` (:data:`~router.policytypes.DEFAULT_SPEED`,
+Defaults: ``s = 0.032 ms/token`` and ``f = 25 ms`` (:data:`~router.policy_types.DEFAULT_SPEED`,
 seeds that :mod:`router.estimator` refines), ``offload_hit_cost = 0.3``,
 ``storage_hit_cost = 0.75``, ``remote_hit_cost = 0.9``, ``unseen_request_tokens = 1024``,
 ``decode_ms_per_request = 0.05``, ``kv_high_watermark = 0.9``, ``kv_full_penalty_ms = 250``
@@ -84,7 +84,7 @@ import random
 from collections.abc import Sequence
 from typing import Final
 
-from router.policytypes import Decision, PolicyConfig, ReplicaState, Score
+from router.policy_types import Decision, PolicyConfig, ReplicaState, Score
 from router.scoring import Fleet, active_requests, fleet_of, score_replica
 
 _LINEAR_TIE: Final = 1e-9

@@ -29,7 +29,7 @@ from router.estimator import SpeedBook
 from router.load import LoadBoard
 from router.metrics import MismatchDetector, RouterMetrics
 from router.placement import Placement, Placer
-from router.policytypes import Score
+from router.policy_types import Score
 from router.relay import RelayResponse
 from router.replicas import Replica
 from router.requests import (

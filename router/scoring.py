@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from router.policytypes import PolicyConfig, ReplicaState, Score
+from router.policy_types import PolicyConfig, ReplicaState, Score
 
 MAX_CHURN: Final = 2.0  # churn weighs evictions within [1/2, 2]
 MAX_KV_USAGE: Final = 1.5  # past this projected usage the KV penalty stops growing

@@ -5,7 +5,7 @@ every other router and tracker. Without it the router is self-contained: an in-p
 :class:`~tracker.core.memory_index.MemoryIndex` fed by an in-process
 :mod:`tracker.ingest.embedded` tracker consuming the ``--replica`` event endpoints. With
 both and ``--local-index`` the index is the router's own, fed as without Redis, and the load
-and the routes are shared (:class:`~router.redisload.RedisLoadBoard`,
+and the routes are shared (:class:`~router.redis_load.RedisLoadBoard`,
 :class:`~router.routefeed.RouteFeed`; read in the background, so no request waits for Redis).
 Shutdown (SIGTERM/SIGINT): stop accepting, let in-flight requests and streams finish within
 ``shutdown_timeout_s`` (uvicorn cancels the rest), then close everything; a second signal
@@ -27,7 +27,7 @@ from starlette.applications import Starlette
 from router.app import Router, create_app
 from router.config import RouterSettings
 from router.load import LoadBoard, LocalLoadBoard
-from router.redisload import RedisLoadBoard, new_router_id
+from router.redis_load import RedisLoadBoard, new_router_id
 from router.routefeed import REFRESH_S as ROUTE_REFRESH_S
 from router.routefeed import RouteFeed
 from router.tokenize import TokenizerBook
@@ -68,7 +68,7 @@ def load_board(
     settings: RouterSettings, client: redis.Redis | None = None, *, view_refresh_s: float = 0.0
 ) -> LoadBoard:
     """The router's load board: with a Redis ``client``, a
-    :class:`~router.redisload.RedisLoadBoard` shared with every other router, as
+    :class:`~router.redis_load.RedisLoadBoard` shared with every other router, as
     ``settings.router_id``, with ``settings.lease_ttl_s`` and ``settings.load_renew_s`` (and
     ``view_refresh_s``: > 0 reads the others' load in the background); without, a
     :class:`~router.load.LocalLoadBoard` of this process alone.

@@ -18,7 +18,8 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from publishers.engine import CachedBlock, SimulatedEngine
+from publishers.cache import CachedBlock
+from publishers.engine import SimulatedEngine
 from publishers.engine_config import EngineConfig
 from publishers.generation import GenerationRequest
 from publishers.zmq import ZmqEventPublisher

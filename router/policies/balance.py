@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from router.policies.baseline import Baseline, BaselineSettings, Choice, Tools, baseline_score, best
-from router.policytypes import Decision
+from router.policy_types import Decision
 
 
 class RoundRobin(Baseline):

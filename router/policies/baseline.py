@@ -3,7 +3,7 @@
 A baseline is a routing strategy with state, run inside the real router instead of
 kvrouter's score (:mod:`router.policies`). None reads the block index; each sees the
 request, the healthy candidates, and what :class:`Tools` offers. Its decision carries one
-:class:`~router.policytypes.Score` per candidate whose ``score`` is the baseline's own number
+:class:`~router.policy_types.Score` per candidate whose ``score`` is the baseline's own number
 (higher wins), so ``/index``, the decision headers and the journal show it.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from router.load import Load, LoadBoard
-from router.policytypes import Decision, Score
+from router.policy_types import Decision, Score
 from router.replicas import Replica
 from router.requests import PromptRequest
 from router.upstream import UpstreamClient

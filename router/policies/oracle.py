@@ -26,7 +26,7 @@ import msgspec
 
 from router.errors import UpstreamError
 from router.policies.baseline import Baseline, Choice, baseline_score, best
-from router.policytypes import Decision
+from router.policy_types import Decision
 from router.replicas import Replica
 from tracker.framework.errors import TokenizationError
 

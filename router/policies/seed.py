@@ -24,7 +24,7 @@ from router.policies.baseline import (
     message_text,
     request_text,
 )
-from router.policytypes import Decision
+from router.policy_types import Decision
 from router.requests import PromptRequest
 
 SEED_LRU_SIZE: Final = 2000

@@ -24,7 +24,7 @@ from router.policies.baseline import (
     baseline_score,
     request_text,
 )
-from router.policytypes import Decision
+from router.policy_types import Decision
 from router.texttree import TextTree
 
 SGLANG_EVICTION_INTERVAL_S: Final = 120.0

@@ -13,7 +13,7 @@ from publishers.config import EngineShape, ReplicaSettings, shape_fields
 from publishers.latency import load_profile
 from router.policies import BASELINES
 from router.policies import POLICIES as ROUTER_POLICIES
-from router.policytypes import DEFAULT_SPEED, PolicyConfig
+from router.policy_types import DEFAULT_SPEED, PolicyConfig
 
 
 def test_the_simulated_h200_prefills_at_the_calibrated_speed() -> None:

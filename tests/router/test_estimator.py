@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.estimator import SpeedBook, SpeedModel
-from router.policytypes import DEFAULT_SPEED, SpeedEstimate
+from router.policy_types import DEFAULT_SPEED, SpeedEstimate
 
 
 def _feed(

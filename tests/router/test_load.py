@@ -12,7 +12,7 @@ import redis.asyncio as redis
 
 from bench.procs import RedisServer
 from router.load import Load, LoadBoard, LocalLoadBoard
-from router.redisload import VIEW_MAX_AGE_S, RedisLoadBoard, new_router_id
+from router.redis_load import VIEW_MAX_AGE_S, RedisLoadBoard, new_router_id
 from tests.procs import free_port
 from tracker.core.blocks import Namespace
 from tracker.core.keys import NamespaceKeys

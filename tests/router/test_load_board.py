@@ -6,7 +6,7 @@ import pytest
 
 from router.config import RouterSettings
 from router.load import LocalLoadBoard
-from router.redisload import RedisLoadBoard
+from router.redis_load import RedisLoadBoard
 from router.service import load_board
 from tracker.core.backends import open_index
 

@@ -11,7 +11,7 @@ import pytest
 
 from router.load import Load
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
-from router.redisload import RedisLoadBoard
+from router.redis_load import RedisLoadBoard
 from router.service import RouterService
 from tests.factories import SIM
 from tests.procs import RedisServer

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.policy import decide
-from router.policytypes import DEFAULT_SPEED, PolicyConfig, ReplicaState, SpeedEstimate
+from router.policy_types import DEFAULT_SPEED, PolicyConfig, ReplicaState, SpeedEstimate
 from router.scoring import score_replica
 
 CONFIG = PolicyConfig()

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from router.policy import decide
-from router.policytypes import DEFAULT_SPEED, PolicyConfig, ReplicaState
+from router.policy_types import DEFAULT_SPEED, PolicyConfig, ReplicaState
 from router.scoring import (
     eviction_share,
     fleet_of,

@@ -24,7 +24,7 @@ RECORD_TTL_S: Final = 15.0
 
 LOAD_TTL_S: Final = 5.0
 """How long a router's shared load, and its presence, outlive their last write unless told
-otherwise (``kvrouter router --lease-ttl-s``, :mod:`router.load`)."""
+otherwise (``kvrouter router --lease-ttl-s``, :mod:`router.redis_load`)."""
 
 
 class Match(msgspec.Struct, frozen=True):
@@ -163,7 +163,7 @@ class BlockIndex(Protocol):
         """:meth:`lookup` and every replica's :class:`Residency`, in one round trip; with
         ``load_except`` (a router's id), the other routers' shared load too where the index
         holds it (:attr:`Survey.load`; None where it does not), and that router's presence,
-        kept ``load_ttl_s`` (:mod:`router.load`)."""
+        kept ``load_ttl_s`` (:mod:`router.redis_load`)."""
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float

@@ -2,7 +2,7 @@
 
 A router records each request it routes (:data:`PREDICT`, :data:`CLAIM`, or both in one call,
 :data:`ROUTE`) and shares its load with the other routers (:data:`LOAD_PUT`,
-:data:`LOAD_SNAPSHOT`; :mod:`router.load`). Key layout as documented in
+:data:`LOAD_SNAPSHOT`; :mod:`router.redis_load`). Key layout as documented in
 :mod:`tracker.core.keys`; every key a call touches shares the hash tag of the keys it declares.
 """
 
@@ -12,8 +12,8 @@ from typing import Final
 
 from tracker.core.lua_lib import BUCKETS, PREDICTIONS
 
-# The shared router load (tracker.core.keys: ``load``), for router.load: PUT writes one router's
-# totals, load_snapshot sums the others' live entries, pruning expired ones.
+# The shared router load (tracker.core.keys: ``load``), for router.redis_load: PUT writes one
+# router's totals, load_snapshot sums the others' live entries, pruning expired ones.
 # KEYS: [load hash]; ARGV: [router id, ttl ms, then (replica, inflight, tokens, age ms)
 # quadruples]; age: how long ago the router sent its oldest request there that is still
 # prefilling (stored as Redis time, so router clocks never matter).
