@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from bench.stack_layout import port_block
+from bench.procs import free_ports
 from router.upstream import KEEPALIVE_EXPIRY_S
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings, setting
@@ -113,7 +113,7 @@ class ClientCostSettings(Settings):
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_argv(ClientCostSettings, argv, description=__doc__.split("\n")[0])
-    port = port_block(3)
+    port = free_ports(3)
     kvrouter = str(Path(sys.executable).with_name("kvrouter"))
     engine = subprocess.Popen(
         [

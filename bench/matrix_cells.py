@@ -29,7 +29,6 @@ PRESSURE: Final = 700  # blocks: the 10 prefixes (3,010 blocks) do not fit in 4 
 # the best of three peers' noisy values sits below what each would give (4,096 blocks: the
 # best peer's p95 52.3-53.4 pass by pass, 54.8 pooled). Those cells pool three seeds.
 LIGHT_SEEDS: Final = 3
-EVENT_AXES: Final = ("routers", "bypass", "restart")  # where only events know the truth
 
 
 def cells(axes: Sequence[str] = AXES) -> list[Cell]:

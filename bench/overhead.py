@@ -35,10 +35,11 @@ from typing import Any, Final
 import aiohttp
 
 from bench.peers import PEERS, Worker, executable, installed, named
+from bench.procs import free_ports
 from bench.proxy_load import cpu_seconds
 from bench.stack import LocalStack
 from bench.stack_config import StackConfig
-from bench.stack_layout import kvrouter_bin, port_block
+from bench.stack_layout import kvrouter_bin
 from bench.workloads import text
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings, setting
@@ -144,7 +145,7 @@ def start_kvrouter(
     events; ``workers=None`` is the embedded mode: one process whose own tracker reads the
     engines' events, as each peer keeps an index of its own.
     """
-    port = port_block(1)
+    port = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     config = stack.config
     replicas = [flag for spec in stack.replica_specs() for flag in ("--replica", spec)]
@@ -168,7 +169,7 @@ def start_peers(stack: LocalStack, names: Sequence[str]) -> dict[str, str]:
     """One instance of each named peer router in front of the stack's engines, started
     under the stack's control (process name = peer name); their base URLs by name."""
     workers = [Worker(url, events, replay) for url, events, replay in stack.endpoints()]
-    base = port_block(2 * len(names)) if names else 0
+    base = free_ports(2 * len(names)) if names else 0
     urls: dict[str, str] = {}
     for i, name in enumerate(names):
         arm = PEERS[name]

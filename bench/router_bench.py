@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import math
 import os
 import random
 import statistics
@@ -31,7 +30,7 @@ from typing import Any, Final
 
 from bench.corpus import Lexicon, train_tokenizer
 from bench.procs import RedisServer
-from bench.proxy_load import ProxySettings, measure, proxy_table
+from bench.proxy_load import ProxySettings, measure, percentile, proxy_table
 from bench.router_fixture import (
     BLOCK_SIZE,
     MODEL,
@@ -59,12 +58,6 @@ STAGES: Final = ("tokenize", "hash", "lookup", "score", "total")
 # The router's default lookup budget. The benchmark lifts it to time whole lookups, and counts
 # those that would have run over it (the router then routes on load alone).
 DEFAULT_BUDGET_MS: Final[float] = RouterSettings().lookup_timeout_ms
-
-
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]) of ``samples``."""
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def summary_ms(samples: Sequence[float]) -> dict[str, float]:

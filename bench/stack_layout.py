@@ -1,12 +1,10 @@
-"""The local stack laid out: free loopback ports, where each of its processes listens, and the
+"""The local stack laid out: its loopback ports, where each of its processes listens, and the
 command line each is started with (redis-server and Sentinels, engines, trackers, routers and
 haproxy)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -14,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.process_group import ProcessGroup, StackError
-from bench.procs import redis_server_argv
+from bench.procs import free_ports, redis_server_argv
 from bench.sentinels import SENTINEL_SERVICE, sentinel_config
 from bench.stack_config import StackConfig
 
@@ -23,43 +21,6 @@ def kvrouter_bin() -> str:
     """The ``kvrouter`` console script of this interpreter's environment."""
     candidate = Path(sys.executable).parent / "kvrouter"
     return str(candidate) if candidate.exists() else "kvrouter"
-
-
-def ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range of source ports for outgoing connections (Linux; else IANA's)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 49_152, 65_535
-
-
-def port_block(count: int, start: int = 20_000, stop: int | None = None) -> int:
-    """First port of ``count`` consecutive loopback ports that are free right now.
-
-    The block stays below the ephemeral range (``stop`` defaults to its first port): there,
-    the stack's own outgoing connections could take a port between this check and the bind.
-    """
-    if stop is None:
-        low, high = ephemeral_ports()
-        start, stop = (start, low) if low - start > count else (high + 1, 65_536)
-    if stop - start <= count:
-        raise StackError(f"no room for {count} ports in {start}..{stop}")
-    base = start + (os.getpid() * 97) % (stop - start - count)
-    for _ in range(200):
-        if all(_free(base + i) for i in range(count)):
-            return base
-        base = start + (base - start + count + 17) % (stop - start - count)
-    raise StackError(f"no block of {count} free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -73,7 +34,7 @@ class StackLayout(ProcessGroup):
         cfg = self.config
         super().__init__(cfg.workdir or Path(tempfile.mkdtemp(prefix="kvrouter-stack-")))
         n = cfg.replicas
-        base = port_block(4 + 3 * n + 2 * cfg.routers + (4 if cfg.sentinel else 0))
+        base = free_ports(4 + 3 * n + 2 * cfg.routers + (4 if cfg.sentinel else 0))
         self.redis_port = base
         self.haproxy_port = base + 1
         self.tracker_port = base + 2

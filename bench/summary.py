@@ -19,8 +19,6 @@ from dataclasses import dataclass, field, replace
 from bench.harness import PolicyRun
 from bench.loadgen import Result
 
-LATENCY_KEYS = ("p50", "p95", "p99", "mean")
-
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values``, interpolated linearly (numpy's default)."""
