@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from tests.faults.drill import Consistency, Marks
-from tests.faults.workload import Result, Workload, between, hit_rate, min_window_rate, recovery_s
+from tests.faults.hit_rates import between, hit_rate, min_window_rate, recovery_s
+from tests.faults.workload import Result, Workload
 
 ENV: Final = "KVROUTER_FAULTS_JSON"
 RECOVERY_SHARE: Final = 0.9  # "recovered": the hit rate is back to 90 % of its pre-fault level

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tests.faults.workload import Result, recovery_s
+from tests.faults.hit_rates import recovery_s
+from tests.faults.workload import Result
 
 
 def _results(rates: list[float], per_second: int = 25) -> list[Result]:
