@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from tests.faults.drill import Consistency, Marks
+from tests.faults.drill import Consistency
+from tests.faults.drill_course import Marks
 from tests.faults.hit_rates import between, hit_rate, min_window_rate, recovery_s
 from tests.faults.workload import Result, Workload
 

@@ -19,16 +19,8 @@ from collections.abc import Sequence
 import pytest
 
 from tests.faults.conftest import DrillFactory
-from tests.faults.drill import (
-    ENGINES,
-    Check,
-    Drill,
-    Seen,
-    busiest,
-    metric_sum,
-    run_drill,
-    settle,
-)
+from tests.faults.drill import ENGINES, Check, Drill, metric_sum, settle
+from tests.faults.drill_course import Seen, busiest, run_drill
 from tests.faults.results import make_row, record
 from tests.faults.workload import Result, Workload
 

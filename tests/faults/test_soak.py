@@ -19,7 +19,8 @@ from typing import Final
 import pytest
 
 from tests.faults.conftest import DrillFactory
-from tests.faults.drill import ENGINES, run_drill, settle
+from tests.faults.drill import ENGINES, settle
+from tests.faults.drill_course import run_drill
 from tests.faults.results import make_row, record
 
 SOAK: Final = os.environ.get("KVROUTER_SOAK", "") not in ("", "0")
