@@ -1,5 +1,4 @@
-"""Fault drills on the engines: killed mid-stream, crash-restarted, stalled, all down, and a
-client that hangs up mid-stream.
+"""Fault drills on the engines: killed mid-stream, crash-restarted, stalled, all down.
 
 Each drill runs the steady workload through haproxy and two routers, injects its fault,
 keeps the load on, and then checks: no request lost; clean errors only for requests the
@@ -22,19 +21,10 @@ from tests.faults.conftest import DrillFactory
 from tests.faults.drill import ENGINES, Check, Drill, metric_sum, settle
 from tests.faults.drill_course import Seen, busiest, run_drill
 from tests.faults.results import make_row, record
-from tests.faults.workload import Result, Workload
+from tests.faults.workload import Result, Workload, assert_nothing_lost, failures
 
 pytestmark = [pytest.mark.faults, pytest.mark.redis, pytest.mark.timeout(180)]
 LONG_TOKENS = 150  # a stream of about 3 s at H200 speed: surely in flight when the fault hits
-
-
-def failures(results: list[Result]) -> list[Result]:
-    return [r for r in results if r.outcome not in ("completed", "cancelled")]
-
-
-def assert_nothing_lost(results: list[Result]) -> None:
-    lost = [r for r in results if r.outcome == "lost"]
-    assert not lost, [(r.n, r.stream, r.replica, r.detail) for r in lost[:10]]
 
 
 async def long_streams(
@@ -316,83 +306,6 @@ async def _serving(drill: Drill) -> bool:
         if not (await drill.router_health(i))["replicas"]["healthy"]:
             return False
     return True
-
-
-async def hang_up(workload: Workload, group: int, chunks: int) -> Result:
-    """A stream the client abandons after ``chunks`` events: it closes the connection."""
-    body = workload.body(-group - 1, group, stream=True, max_tokens=6000)
-    started = time.monotonic()
-    read = 0
-    async with workload.client().stream("POST", "/v1/chat/completions", json=body) as response:
-        replica = response.headers.get("x-kvrouter-replica")
-        async for line in response.aiter_lines():
-            read += line.startswith("data:")
-            if read >= chunks:
-                break
-    # leaving the block closes the connection (no keep-alive): the router must cancel
-    return Result(
-        -group - 1,
-        group,
-        True,
-        6000,
-        started,
-        time.monotonic(),
-        "cancelled",
-        f"hung up after {read} events",
-        response.status_code,
-        replica,
-    )
-
-
-async def test_client_disconnect_mid_stream_cancels_the_engine_request(
-    drill_factory: DrillFactory,
-) -> None:
-    drill = await drill_factory()
-    workload = drill.workload()
-    seen = Seen()
-
-    async def fault() -> None:
-        seen.metrics = [await drill.metrics(url) for url in drill.stack.router_urls]
-        # 6000 tokens: two minutes of decoding each, unless the engine aborts them
-        seen.gone = list(await asyncio.gather(*(hang_up(workload, g, 3) for g in range(3))))
-        seen.at = time.monotonic()
-
-    marks = await run_drill(workload, fault, after_s=4.0)
-    gone = seen.gone
-    assert all(r.status == 200 and r.replica for r in gone), gone
-    assert_nothing_lost(workload.results)
-    assert not failures(workload.results), failures(workload.results)[:5]
-    # the routers counted the disconnects and released their load
-    before = seen.metrics
-    after = [await drill.metrics(url) for url in drill.stack.router_urls]
-    disconnects = sum(
-        metric_sum(a, "kvrouter_router_client_disconnects_total")
-        - metric_sum(b, "kvrouter_router_client_disconnects_total")
-        for a, b in zip(after, before, strict=True)
-    )
-    assert disconnects >= len(gone), (disconnects, len(gone))
-    # the engines dropped the abandoned requests: idle right after the load stopped,
-    # long before those 6000-token answers could have finished
-    _, consistency = await settle(
-        drill, range(ENGINES), dict.fromkeys(range(ENGINES), "exact"), timeout_s=2.0
-    )
-    since_hang_up = time.monotonic() - seen.at
-    row = make_row(
-        "9",
-        "client disconnects mid-stream",
-        workload,
-        marks,
-        consistency,
-        extra_results=gone,
-        notes=(
-            f"{len(gone)} clients hang up after 3 events of a 6000-token stream (two minutes "
-            "of decoding): the routers close the upstream connection, the engines abort the "
-            f"requests (every engine idle {since_hang_up:.1f} s after the hang-ups, as soon as "
-            "the steady load stopped) and the load board is back to 0."
-        ),
-    )
-    record(row)
-    assert consistency.ok, consistency
 
 
 async def _out_everywhere(drill: Drill, replica: str) -> bool:

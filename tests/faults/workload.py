@@ -343,3 +343,15 @@ def _judge_stream(seen: _Stream, max_tokens: int) -> dict[str, Any]:
     if seen.usage is None or seen.usage.get("completion_tokens") != max_tokens or not seen.finish:
         return {"outcome": "lost", "detail": f"wrong stream: usage {seen.usage}"}
     return {"outcome": "completed", "prompt_tokens": prompt, "cached_tokens": cached}
+
+
+# ---------------------------------------------------------------------- outcomes
+
+
+def failures(results: list[Result]) -> list[Result]:
+    return [r for r in results if r.outcome not in ("completed", "cancelled")]
+
+
+def assert_nothing_lost(results: list[Result]) -> None:
+    lost = [r for r in results if r.outcome == "lost"]
+    assert not lost, [(r.n, r.stream, r.replica, r.detail) for r in lost[:10]]
