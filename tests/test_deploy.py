@@ -1,4 +1,4 @@
-"""Static checks of the deployment files: Dockerfile, docker-compose.yml, deploy/haproxy.cfg.
+"""Static checks of docker-compose.yml and deploy/haproxy.cfg.
 
 No Docker engine is needed: every kvrouter command in the compose file is parsed by
 kvrouter's own argument parser and settings classes (so a renamed flag fails here), the
@@ -8,125 +8,30 @@ own configuration, and `docker compose config` runs where a compose client is in
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shlex
 import shutil
 import subprocess
-import sys
-import threading
-import tomllib
-from collections.abc import Iterator
-from contextlib import redirect_stderr
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from io import StringIO
-from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-import yaml
 
-from publishers.config import WILDCARD_HOSTS, AttachSettings, ReplicaSettings, tcp_parts
+from publishers.config import WILDCARD_HOSTS, ReplicaSettings, tcp_parts
 from publishers.fleet import FleetService
-from publishers.vllm import vllm_env, vllm_flags
 from router.config import RouterSettings
-from tracker.framework.cli import Command, build_parser, load_commands
-from tracker.framework.settings import Settings
+from tests.deployment import (
+    COMPOSE_FILE,
+    KVROUTER_SERVICES,
+    ROOT,
+    SERVICES,
+    environment,
+    of_kind,
+    parsed,
+)
 from tracker.ingest.config import TrackerSettings
 
-ROOT = Path(__file__).resolve().parents[1]
-COMPOSE_FILE = ROOT / "docker-compose.yml"
 HAPROXY_CFG = ROOT / "deploy" / "haproxy.cfg"
-DOCKERFILE = ROOT / "Dockerfile"
-DOCKERIGNORE = ROOT / ".dockerignore"
-DEPLOYMENT_DOC = ROOT / "docs" / "deployment.md"
 HAPROXY_CFG_IN_IMAGE = "/usr/local/etc/haproxy/haproxy.cfg"
 REDIS_PORT = 6379
-
-COMPOSE: dict[str, Any] = yaml.safe_load(COMPOSE_FILE.read_text())
-SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
-# services running the image built from this repository (the others are redis and haproxy)
-KVROUTER_SERVICES = sorted(name for name, svc in SERVICES.items() if "build" in svc)
-
-
-@dataclass(frozen=True)
-class Parsed:
-    """A service's command, as kvrouter itself would read it."""
-
-    command: Command
-    settings: Any
-
-
-def environment(service: dict[str, Any]) -> dict[str, str]:
-    raw = service.get("environment") or {}
-    if isinstance(raw, list):
-        raw = dict(item.partition("=")[::2] for item in raw)
-    return {str(k): "" if v is None else str(v) for k, v in raw.items()}
-
-
-def parse_command(argv: list[str], env: dict[str, str]) -> Parsed:
-    """``kvrouter ARGV`` with environment ``env``, as ``tracker.framework.cli.main`` reads it."""
-    commands = load_commands()
-    parser = build_parser(commands)
-    errors = StringIO()
-    try:
-        with redirect_stderr(errors):
-            args = parser.parse_args(argv)
-    except SystemExit:
-        pytest.fail(f"kvrouter {shlex.join(argv)}: {errors.getvalue().strip().splitlines()[-1]}")
-    command = commands[args.command]
-    del args.command
-    return Parsed(command, command.settings.from_args(args, env))
-
-
-def parsed(name: str) -> Parsed:
-    service = SERVICES[name]
-    return parse_command([str(a) for a in service["command"]], environment(service))
-
-
-def of_kind(kind: type[Settings]) -> dict[str, Any]:
-    """Settings of every kvrouter service whose command builds ``kind``."""
-    out = {}
-    for name in KVROUTER_SERVICES:
-        settings = parsed(name).settings
-        if isinstance(settings, kind):
-            out[name] = settings
-    return out
-
-
-def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
-    out: list[tuple[str, str]] = []
-    pending = ""
-    for line in text.splitlines():
-        stripped = line.strip()
-        if not pending and (not stripped or stripped.startswith("#")):
-            continue
-        if stripped.endswith("\\"):
-            pending += stripped[:-1] + " "
-            continue
-        full = pending + stripped
-        pending = ""
-        keyword, _, rest = full.partition(" ")
-        out.append((keyword.upper(), rest.strip()))
-    return out
-
-
-DOCKER = dockerfile_instructions(DOCKERFILE.read_text())
-
-
-def last(instruction: str) -> str:
-    values = [rest for keyword, rest in DOCKER if keyword == instruction]
-    assert values, f"Dockerfile has no {instruction}"
-    return values[-1]
-
-
-def final_stage() -> list[tuple[str, str]]:
-    starts = [i for i, (keyword, _) in enumerate(DOCKER) if keyword == "FROM"]
-    return DOCKER[starts[-1] :]
 
 
 def haproxy_backend_servers(backup: bool = False) -> dict[str, tuple[str, int]]:
@@ -274,127 +179,6 @@ def test_healthchecks_probe_the_port_each_service_serves() -> None:
     assert SERVICES["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
 
 
-# --------------------------------------------------------------------- Dockerfile
-
-
-def exec_form(instruction: str) -> list[str]:
-    """The JSON (exec) form of an instruction; HEALTHCHECK: of its ``CMD``."""
-    text = last(instruction)
-    if instruction == "HEALTHCHECK":
-        text = text.partition(" CMD ")[2]
-    value = json.loads(text)
-    assert isinstance(value, list) and all(isinstance(v, str) for v in value), instruction
-    return value
-
-
-def copy_sources() -> set[str]:
-    """What the Dockerfile copies from the build context (not from other stages)."""
-    sources: set[str] = set()
-    for keyword, rest in DOCKER:
-        words = rest.split()
-        if keyword == "COPY" and not any(w.startswith("--from") for w in words):
-            sources.update(w.rstrip("/") for w in words[:-1] if not w.startswith("--"))
-    return sources
-
-
-def test_dockerfile_entrypoint_and_cmd_agree_with_the_compose_services() -> None:
-    assert exec_form("ENTRYPOINT") == ["kvrouter"]
-    default = parse_command(exec_form("CMD"), {})
-    assert isinstance(default.settings, RouterSettings)
-    assert default.settings.host in WILDCARD_HOSTS
-    exposed = {int(p.split("/")[0]) for p in last("EXPOSE").split()}
-    assert default.settings.port in exposed
-    assert {s.http_port for s in of_kind(TrackerSettings).values()} <= exposed
-    for name in KVROUTER_SERVICES:
-        service = SERVICES[name]
-        assert service.get("entrypoint") in (None, ["kvrouter"]), name
-        assert service["build"] in (".", {"context": "."}), name
-    assert len({SERVICES[n].get("image") for n in KVROUTER_SERVICES}) == 1
-
-
-def test_dockerfile_builds_on_python_slim_and_runs_unprivileged() -> None:
-    stage = final_stage()
-    assert stage[0][1].split()[0] == "python:3.11-slim"
-    assert all(rest.split()[0] == "python:3.11-slim" for kw, rest in DOCKER if kw == "FROM")
-    user = last("USER").split(":")[0]
-    assert user not in ("root", "0"), user
-    assert [kw for kw, _ in stage].count("USER") == 1
-
-
-def test_the_image_holds_every_package_an_entry_point_names() -> None:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    targets = [
-        project["scripts"]["kvrouter"],
-        *project["entry-points"]["kvrouter.commands"].values(),
-    ]
-    packages = {target.split(":")[0].split(".")[0] for target in targets}
-    copied = copy_sources()
-    assert packages <= copied, f"not copied into the image: {packages - copied}"
-    assert {"pyproject.toml", "README.md"} <= copied  # README: the package's description
-    # .dockerignore is an allowlist: everything copied must be let back in
-    patterns = [
-        line.strip()
-        for line in DOCKERIGNORE.read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-    assert patterns[0] == "*"
-    for source in copied:
-        assert f"!{source}" in patterns or f"!{source}/" in patterns, source
-        assert (ROOT / source).exists(), source
-
-
-# --------------------------------------------------------------------- health probe
-
-
-class _Health(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200 if self.path == "/health" else 503)
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture
-def health_server() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-def healthcheck_code() -> dict[str, str]:
-    """The ``python -c`` program of the image's HEALTHCHECK and of the compose services."""
-    image = exec_form("HEALTHCHECK")
-    compose = COMPOSE["x-kvrouter"]["healthcheck"]["test"]
-    assert image[:2] == ["python", "-c"] and compose[:3] == ["CMD", "python", "-c"]
-    return {"image": image[2], "compose": compose[3]}
-
-
-def test_the_health_probe_needs_only_python_and_fails_on_errors(health_server: str) -> None:
-    codes = healthcheck_code()
-    assert codes["image"] == codes["compose"]
-    env_default = [rest for kw, rest in DOCKER if kw == "ENV" and "HEALTHCHECK_URL" in rest]
-    assert env_default, "the image sets no default HEALTHCHECK_URL"
-    base = {k: v for k, v in os.environ.items() if k != "HEALTHCHECK_URL"}
-    for url, healthy in (
-        (f"{health_server}/health", True),
-        (f"{health_server}/down", False),
-        ("http://127.0.0.1:9/health", False),  # nothing listens
-    ):
-        result = subprocess.run(
-            [sys.executable, "-I", "-c", codes["image"]],
-            env=base | {"HEALTHCHECK_URL": url},
-            capture_output=True,
-            timeout=30,
-            check=False,
-        )
-        assert (result.returncode == 0) == healthy, (url, result.stderr[-500:])
-        assert result.returncode in (0, 1)  # docker: 0 healthy, 1 unhealthy, others reserved
-
-
 # --------------------------------------------------------------------- external validators
 
 
@@ -442,72 +226,3 @@ def test_docker_compose_accepts_the_file() -> None:
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-# --------------------------------------------------------------------- the vLLM variant (docs)
-
-
-def vllm_snippet() -> dict[str, Any]:
-    """The Compose services of docs/deployment.md that replace the simulated engines."""
-    match = re.search(
-        r"<!-- compose:vllm:begin -->\s*```yaml\n(.*?)```\s*<!-- compose:vllm:end -->",
-        DEPLOYMENT_DOC.read_text(),
-        re.S,
-    )
-    assert match, "docs/deployment.md lost its vLLM compose block"
-    snippet: dict[str, Any] = yaml.safe_load(match[1])
-    return snippet
-
-
-def same_argument(a: str, b: str) -> bool:
-    if a.startswith("{") and b.startswith("{"):
-        return bool(json.loads(a) == json.loads(b))
-    return a == b
-
-
-def contains_run(argv: list[str], run: list[str]) -> bool:
-    return any(
-        all(same_argument(x, y) for x, y in zip(argv[i : i + len(run)], run, strict=True))
-        for i in range(len(argv) - len(run) + 1)
-    )
-
-
-def test_the_vllm_variant_in_the_docs_is_consistent() -> None:
-    services: dict[str, dict[str, Any]] = vllm_snippet()["services"]
-    kvrouter = {
-        name: parse_command([str(a) for a in svc["command"]], environment(svc)).settings
-        for name, svc in services.items()
-        if str(svc.get("image", "")).startswith("kvrouter")
-    }
-    attaches = {n: s for n, s in kvrouter.items() if isinstance(s, AttachSettings)}
-    routers = {n: s for n, s in kvrouter.items() if isinstance(s, RouterSettings)}
-    assert attaches and routers
-    for name, settings in attaches.items():
-        settings.require_attach()
-        assert services[name]["healthcheck"] == {"disable": True}  # attach serves no HTTP
-        assert urlsplit(settings.redis).hostname == "redis"
-        url = urlsplit(settings.url)
-        vllm = services[str(url.hostname)]
-        for endpoint in (settings.events, settings.replay):
-            assert endpoint is not None and tcp_parts(endpoint, name)[0] == url.hostname
-        # vLLM runs exactly the flags `kvrouter attach --print-flags` gives for these settings
-        argv = [str(a) for a in vllm["command"]]
-        assert contains_run(argv, vllm_flags(settings)), (argv, vllm_flags(settings))
-        assert f"--port={url.port}" in argv
-        assert environment(vllm) | vllm_env(settings) == environment(vllm)
-    vllm_models = {
-        str(services[str(urlsplit(str(a.url)).hostname)]["command"][0]) for a in attaches.values()
-    }
-    for name, router in routers.items():
-        assert urlsplit(router.redis).hostname == "redis"
-        assert router.host in WILDCARD_HOSTS
-        # the routers tokenize with the files vLLM serves (mounted read-only)
-        (tokenizer,) = router.tokenizer
-        assert vllm_models == {tokenizer}
-        assert any(
-            tokenizer.startswith(v.split(":")[1]) and v.endswith(":ro")
-            for v in services[name]["volumes"]
-        )
-        assert "engines" not in services[name]["depends_on"]
-        health = urlsplit(environment(services[name])["HEALTHCHECK_URL"])
-        assert (health.port, health.path) == (router.port, "/health")
