@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -15,7 +10,6 @@ from prometheus_client import CollectorRegistry
 
 from router.app import create_app
 from router.config import RouterSettings
-from router.health import _PARALLEL
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from router.tokenize import TokenizerBook
 from tests.router.harness import (
@@ -66,85 +60,6 @@ async def test_shared_prefix_lands_on_one_replica_with_exact_predictions() -> No
             assert metric(page, "kvrouter_router_decision_seconds_count", stage=stage) == 6
         predicted = metric(page, "kvrouter_router_predicted_cached_tokens_total")
         assert predicted == metric(page, "kvrouter_router_engine_cached_tokens_total") > 0
-
-
-async def _events(response: httpx.Response) -> list[tuple[float, str]]:
-    out = []
-    async for line in response.aiter_lines():
-        if line.startswith("data: "):
-            out.append((time.monotonic(), line[6:]))
-    return out
-
-
-async def test_streams_pass_through_chunk_by_chunk_and_usage_only_when_asked() -> None:
-    async with (
-        engines(2, time_scale=1.0, floor_ms=10.0) as fleet,
-        router(replica=fleet.specs) as service,
-        httpx.AsyncClient(base_url=base_url(service), timeout=10) as client,
-    ):
-        body = chat(SYSTEM, "stream", stream=True, max_tokens=20)
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            assert response.headers["content-type"].startswith("text/event-stream")
-            events = await _events(response)
-        assert events[-1][1] == "[DONE]"
-        chunks = [json.loads(data) for _, data in events[:-1]]
-        assert all(chunk["choices"] for chunk in chunks), "the router's usage chunk leaked"
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        # the first token reached the client long before the last one was generated
-        assert events[-1][0] - events[0][0] > 0.1
-
-        body = chat(SYSTEM, "stream", stream=True, stream_options={"include_usage": True})
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            events = await _events(response)
-            predicted = int(response.headers[PREDICTED_HEADER])
-        usage = json.loads(events[-2][1])
-        assert usage["choices"] == []
-        assert usage["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted > 1000
-        page = (await client.get("/metrics")).text
-        assert metric(page, "kvrouter_router_cache_predictions_total", outcome="agree") == 2
-        assert metric(page, "kvrouter_router_ttft_seconds_count") == 2
-
-
-async def test_client_disconnect_aborts_the_engine_request() -> None:
-    async with (
-        engines(1, time_scale=1.0, floor_ms=10.0) as fleet,
-        router(replica=fleet.specs) as service,
-    ):
-        body = chat("short", "go", stream=True, max_tokens=2000)
-        async with httpx.AsyncClient(base_url=base_url(service), timeout=10) as client:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                async for _ in response.aiter_bytes():
-                    break
-            assert fleet.running() == 1
-            await wait_until(lambda: fleet.running() == 0, within=3)
-
-            # a non-streamed request is cancelled the same way
-            task = asyncio.create_task(
-                client.post("/v1/chat/completions", json={**body, "stream": False})
-            )
-            await wait_until(lambda: fleet.running() == 1, within=3)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await wait_until(lambda: fleet.running() == 0, within=3)
-            # and a stream whose first chunk has not come yet (a long prefill)
-            long = chat("x" * 30_000, "go", stream=True, max_tokens=2000)
-
-            async def first_chunk() -> None:
-                async with client.stream("POST", "/v1/chat/completions", json=long) as answer:
-                    async for _ in answer.aiter_bytes():
-                        break
-
-            task = asyncio.create_task(first_chunk())
-            await wait_until(lambda: fleet.running() == 1, within=3)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await wait_until(lambda: fleet.running() == 0, within=3)
-            page = (await client.get("/metrics")).text
-            assert metric(page, "kvrouter_router_client_disconnects_total") == 3
-            assert metric(page, "kvrouter_router_ttft_seconds_count") == 1  # the first stream's
-            replicas = (await client.get("/replicas")).json()["replicas"]
-            assert replicas[0]["inflight"] == 0
 
 
 async def test_models_are_the_union_and_requests_only_reach_their_model() -> None:
@@ -314,21 +229,6 @@ async def test_a_wrong_chat_template_is_flagged_as_a_hash_mismatch(
     assert any("never placed there" in r.getMessage() for r in caplog.records)
 
 
-async def test_graceful_shutdown_drains_streams() -> None:
-    async with (
-        engines(1, time_scale=1.0, floor_ms=10.0) as fleet,
-        router(replica=fleet.specs) as service,
-        httpx.AsyncClient(base_url=base_url(service), timeout=10) as client,
-    ):
-        body = chat("short", "go", stream=True, max_tokens=40)
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            stop = asyncio.create_task(service.stop())
-            events = await _events(response)
-        await stop
-        assert events[-1][1] == "[DONE]"
-        assert json.loads(events[-2][1])["choices"][0]["finish_reason"] == "length"
-
-
 async def test_tokenizer_and_template_per_model_from_files(tmp_path: Path) -> None:
     tokenizer_json = tmp_path / "tokenizer.json"
     Tokenizer.builtin().hf.save(str(tokenizer_json))
@@ -357,70 +257,3 @@ async def test_tokenizer_and_template_per_model_from_files(tmp_path: Path) -> No
         assert int(answer.headers[PREDICTED_HEADER]) == cached > 1000
     with pytest.raises(ConfigError, match="cannot load tokenizer"):
         TokenizerBook.load(RouterSettings(tokenizer=(str(tmp_path / "missing.json"),)))
-
-
-async def test_engine_gauges_are_scraped_with_the_requests_routed_then() -> None:
-    """The KV projection needs which of an engine's running requests were the routers' when
-    its gauges were read: those free their blocks when they finish, outside traffic may not.
-    A request no router counted is outside traffic once two scrapes in a row see it."""
-    async with (
-        engines(1, time_scale=1.0, floor_ms=10.0) as fleet,
-        router(replica=fleet.specs) as service,
-    ):
-        replica = service.router.replicas.all()[0]
-        body = chat("long", "go", stream=True, max_tokens=2000)
-        async with httpx.AsyncClient(base_url=base_url(service), timeout=10) as client:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                async for _ in response.aiter_bytes():
-                    break
-                await service.router.monitor.scrape_engines()
-                assert replica.engine is not None
-                assert (replica.engine.running, replica.engine.routed) == (1, 1)
-            await wait_until(lambda: fleet.running() == 0, within=3)
-            await service.router.monitor.scrape_engines()
-            assert (replica.engine.running, replica.engine.routed) == (0, 0)
-            # a request from another client (straight to the engine) is not the routers'
-            direct = httpx.AsyncClient(base_url=fleet.url(0), timeout=10)
-            async with direct, direct.stream("POST", "/v1/chat/completions", json=body) as other:
-                async for _ in other.aiter_bytes():
-                    break
-                await service.router.monitor.scrape_engines()  # seen once: maybe a race
-                assert (replica.engine.running, replica.engine.routed) == (1, 1)
-                await service.router.monitor.scrape_engines()  # seen twice: outside traffic
-                assert (replica.engine.running, replica.engine.routed) == (1, 0)
-
-
-async def test_a_request_routed_while_the_gauges_are_read_is_not_outside_traffic() -> None:
-    """Requests routed after the routers' counts were read but before the engine's gauges
-    were, running when they were, are the routers' (the counts bracket the read). Counted as
-    outside traffic, their blocks looked like memory that may never free, and the next
-    prompt of a group left home (tests/test_topology.py). Twice in a row: a single miscount
-    would wait for a second scrape before it counted as outside traffic."""
-    async with (
-        engines(1, time_scale=1.0, floor_ms=10.0) as fleet,
-        router(replica=fleet.specs) as service,
-        httpx.AsyncClient(base_url=base_url(service), timeout=10) as client,
-        contextlib.AsyncExitStack() as streams,
-    ):
-        monitor = service.router.monitor
-        replica = service.router.replicas.all()[0]
-        body = chat("long", "go", stream=True, max_tokens=2000)
-        reading: list[AsyncIterator[bytes]] = []
-        for running in (1, 2):
-            # every probe slot taken: the scrape counts the routers' requests, then waits for
-            # a slot to read the engine
-            for _ in range(_PARALLEL):
-                await monitor._limit.acquire()
-            scrape = asyncio.create_task(monitor.scrape_engines())
-            await asyncio.sleep(0.05)
-            assert not scrape.done()
-            response = await streams.enter_async_context(
-                client.stream("POST", "/v1/chat/completions", json=body)
-            )
-            reading.append(response.aiter_bytes())  # held: a dropped reader closes the stream
-            await anext(reading[-1])
-            for _ in range(_PARALLEL):
-                monitor._limit.release()
-            await asyncio.wait_for(scrape, 5)
-            assert replica.engine is not None
-            assert (replica.engine.running, replica.engine.routed) == (running, running)
