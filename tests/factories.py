@@ -23,6 +23,12 @@ SMALL: Final = Namespace("m", 4)
 TINY: Final = Namespace("m", 2)
 """Two-token blocks of ``m``: ledger and property tests, where every block is written out."""
 
+LOAD: Final = Namespace("llama", 16)
+"""Sixteen-token blocks of ``llama``: the load board tests' partition (its adapters' too)."""
+
+LOAD_OTHER: Final = Namespace("qwen", 16)
+"""Another model's partition beside ``LOAD``: the load board tests keep partitions apart."""
+
 TS: Final = 1700000000.0
 """The timestamp of built batches (the index ignores it)."""
 
