@@ -16,7 +16,7 @@ import redis
 from bench.procs import RedisClusterNodes, sync_redis
 from router.redis_load import RedisLoadBoard, new_router_id
 from tests.factories import LLAMA, batch
-from tests.tracker.test_redis_index import SEQ, exercise, matches, remove, store
+from tests.tracker.redis_ops import SEQ, exercise, matches, remove, store
 from tracker.core import keys as schema
 from tracker.core.blocks import Namespace, block_keys
 from tracker.core.redis_client import ClusterURL, parse_cluster_url

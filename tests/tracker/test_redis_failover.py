@@ -13,7 +13,7 @@ import redis
 from bench.sentinels import SENTINEL_SERVICE, RedisSentinels
 from tests.factories import LLAMA, batch
 from tests.procs import RedisServer
-from tests.tracker.test_redis_index import OTHER, SEQ, matches, remove, store
+from tests.tracker.redis_ops import OTHER, SEQ, matches, remove, store
 from tracker.core.redis_client import SENTINEL_PORT, SentinelURL, open_redis, parse_sentinel_url
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import ConfigError, IndexUnavailableError
