@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from tests.factories import SMALL, batch
 from tests.procs import free_port
 from tests.tracker.publisher import EventPublisher
-from tests.tracker.test_subscriber import (
+from tests.tracker.tracking import (
     A_TOKENS,
     ANY,
     ROOTS,

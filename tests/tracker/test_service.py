@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.factories import SMALL
 from tests.procs import free_port
 from tests.tracker.publisher import EventPublisher
-from tests.tracker.test_subscriber import (
+from tests.tracker.tracking import (
     A_TOKENS,
     ANY,
     ROOTS,

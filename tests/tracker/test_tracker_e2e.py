@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import KVROUTER, free_port, kvrouter_env
 from tests.tracker.publisher import EventPublisher
-from tests.tracker.test_subscriber import (
+from tests.tracker.tracking import (
     A_TOKENS,
     B_TOKENS,
     C_TOKENS,
