@@ -1,4 +1,4 @@
-"""Tracker test fixtures: subscribers and event publishers to drive, closed after each test."""
+"""Tracker test fixtures: subscribers and event publishers to drive, an index of each backend."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tests.tracker.publisher import EventPublisher
 from tests.tracker.tracking import ANY, Tracker, TrackerFactory, settings
 from tracker.core.index import BlockIndex
 from tracker.core.memory_index import MemoryIndex
+from tracker.core.redis_index import RedisIndex
 
 
 @pytest.fixture
@@ -43,3 +44,21 @@ async def make_publisher(zctx: zmq.asyncio.Context) -> AsyncIterator[Callable[..
     yield make
     for publisher in started:
         await publisher.close()
+
+
+@pytest.fixture(params=["memory", "redis", "fakeredis"])
+async def index(request: pytest.FixtureRequest) -> AsyncIterator[BlockIndex]:
+    backend: BlockIndex
+    if request.param == "memory":
+        backend = MemoryIndex()
+    elif request.param == "redis":
+        backend = RedisIndex.from_url(request.getfixturevalue("redis_url"))
+    else:
+        pytest.importorskip(
+            "lupa", reason="fakeredis runs Lua only with lupa: add fakeredis[lua] to test deps"
+        )
+        import fakeredis
+
+        backend = RedisIndex(fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer()))
+    yield backend
+    await backend.close()
