@@ -58,7 +58,7 @@ from tracker.core.blocks import Namespace
 from tracker.core.keys import NamespaceKeys
 from tracker.core.redis_index import load_sums
 from tracker.framework.errors import IndexUnavailableError
-from tracker.framework.lifecycle import cancel_and_wait
+from tracker.framework.lifecycle import cancel_and_wait, finish_or_cancel
 
 logger = logging.getLogger(__name__)
 
@@ -272,10 +272,7 @@ class RedisLoadBoard(LoadTotals):
         await cancel_and_wait(loops)
         pusher, self._pusher = self._pusher, None
         if pusher is not None:
-            _, pending = await asyncio.wait({pusher}, timeout=timeout_s)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(pusher, return_exceptions=True)
+            await finish_or_cancel([pusher], timeout_s)
         fields: dict[str, list[str]] = {}
         for namespace, replica in self._written:
             fields.setdefault(self._key(namespace), []).append(f"{replica}\x00{self.router_id}")

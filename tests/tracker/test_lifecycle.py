@@ -17,6 +17,7 @@ from tracker.core.memory_index import MemoryIndex
 from tracker.framework.errors import ConfigError
 from tracker.framework.lifecycle import (
     cancel_and_wait,
+    finish_or_cancel,
     loop_factory,
     run_on_loop,
     running_loop_name,
@@ -135,3 +136,12 @@ async def test_cancel_and_wait_gives_up_on_a_task_that_never_ends(
         alive = False
         task.cancel()
         await asyncio.wait([task])
+
+
+async def test_finish_or_cancel_lets_tasks_end_until_the_timeout_then_cancels_the_rest() -> None:
+    loop = asyncio.get_running_loop()
+    quick = loop.create_task(asyncio.sleep(0.01))
+    slow = loop.create_task(asyncio.sleep(3600))
+    assert await finish_or_cancel([quick, slow], 0.2) == (1, 1)
+    assert quick.done() and not quick.cancelled() and slow.cancelled()
+    assert await finish_or_cancel([], 0.2) == (0, 0)

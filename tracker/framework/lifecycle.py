@@ -64,6 +64,19 @@ async def cancel_and_wait(tasks: Collection[asyncio.Task[Any]], *, grace_s: floa
     await asyncio.gather(*(task for task in tasks if task.done()), return_exceptions=True)
 
 
+async def finish_or_cancel(
+    tasks: Collection[asyncio.Task[Any]], timeout_s: float
+) -> tuple[int, int]:
+    """Let ``tasks`` end on their own for up to ``timeout_s``, then :func:`cancel_and_wait`
+    the rest (every outcome is retrieved); returns how many ended on their own and how many
+    were cancelled."""
+    if not tasks:
+        return 0, 0
+    done, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout_s))
+    await cancel_and_wait(tasks)
+    return len(done), len(pending)
+
+
 async def run_until_signalled(
     service: Service, *, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 ) -> int:

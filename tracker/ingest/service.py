@@ -27,6 +27,7 @@ from tracker.core.index import BlockIndex
 from tracker.framework.errors import ConfigError, FencedError, IndexUnavailableError
 from tracker.framework.http import HTTPServer, bind, metrics_endpoint
 from tracker.framework.lifecycle import (
+    finish_or_cancel,
     freeze_heap,
     run_on_loop,
     run_until_signalled,
@@ -209,13 +210,7 @@ class TrackerService:
         self._stopping.set()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.shutdown_timeout_s
-        own = list(self._tasks)
-        if own:
-            _, pending = await asyncio.wait(own, timeout=max(0.0, deadline - loop.time()))
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending)
+        await finish_or_cancel(list(self._tasks), deadline - loop.time())
         counts = await self.subscriber.stop(max(0.0, deadline - loop.time()))
         if self.lease is not None and self.role == "active" and self._failure is None:
             # flushed: hand over now rather than after the TTL

@@ -25,6 +25,7 @@ from tracker.core.blocks import Namespace
 from tracker.core.events import decode_message
 from tracker.core.index import BlockIndex
 from tracker.framework.errors import DecodeError
+from tracker.framework.lifecycle import cancel_and_wait, finish_or_cancel
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
 from tracker.ingest.replay import ReplayClient
@@ -161,10 +162,7 @@ class Subscriber:
         if stream is None:
             return None
         reader = self._readers.pop(replica, None)
-        tasks = [self._workers.pop(replica)] + ([reader[1]] if reader else [])
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks)
+        await cancel_and_wait([self._workers.pop(replica)] + ([reader[1]] if reader else []))
         if reader is not None:
             reader[0].close(linger=0)
         self._metrics.forget(replica)
@@ -206,33 +204,24 @@ class Subscriber:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         sockets_tasks = list(self._readers.values()) + ([self._bound] if self._bound else [])
-        for _, task in sockets_tasks:
-            task.cancel()
-        if sockets_tasks:
-            await asyncio.wait([task for _, task in sockets_tasks])
+        await cancel_and_wait([task for _, task in sockets_tasks])
         for socket, _ in sockets_tasks:
             socket.close(linger=0)
         self._readers.clear()
         self._bound = None
         for stream in self._streams.values():
             stream.finish()
-        workers = list(self._workers.values())
-        done: set[asyncio.Task[None]] = set()
-        pending: set[asyncio.Task[None]] = set()
-        if workers:
-            done, pending = await asyncio.wait(workers, timeout=max(0.0, deadline - loop.time()))
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+        drained, cancelled = await finish_or_cancel(
+            list(self._workers.values()), deadline - loop.time()
+        )
         left = await self._final_flush(max(0.0, deadline - loop.time()))
         if self._context is not None:
             self._context.destroy(linger=0)
             self._context = None
         counts = {
             "replicas": len(self._streams),
-            "drained": len(done),
-            "cancelled": len(pending),
+            "drained": drained,
+            "cancelled": cancelled,
             "pending_writes": left,
         }
         self._streams.clear()
@@ -242,8 +231,7 @@ class Subscriber:
 
     async def _final_flush(self, budget_s: float) -> int:
         if self._flusher is not None:
-            self._flusher.cancel()
-            await asyncio.wait([self._flusher])
+            await cancel_and_wait([self._flusher])
             self._flusher = None
         return await self.writer.flush(budget_s)
 
