@@ -31,7 +31,7 @@ from tracker.core.tokens import Tokenizer
 from tracker.framework.cli import Command
 from tracker.framework.config import LogSettings
 from tracker.framework.errors import ConfigError
-from tracker.framework.settings import setting
+from tracker.framework.settings import comma_list, setting
 
 DEFAULT_TRACE: Final = Path(__file__).parent / "traces" / "synthetic_mooncake_sample.jsonl"
 FULL: Final = FleetConfig()
@@ -186,7 +186,7 @@ class BenchSettings(LogSettings):
 
     @property
     def policy_list(self) -> tuple[str, ...]:
-        return tuple(p.strip() for p in self.policies.split(",") if p.strip())
+        return comma_list(self.policies, str)
 
 
 def _size(settings: BenchSettings, name: str) -> int:

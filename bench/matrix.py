@@ -56,7 +56,7 @@ from tracker.core.tokens import Tokenizer
 from tracker.framework.cli import Command
 from tracker.framework.config import LogSettings
 from tracker.framework.errors import ConfigError
-from tracker.framework.settings import setting
+from tracker.framework.settings import comma_list, setting
 
 # the in-router emulations of the approximate designs (seed, sglang) give way to the real peers
 POLICIES_DEFAULT: Final = (
@@ -100,11 +100,11 @@ class MatrixSettings(LogSettings):
 
     @property
     def axis_list(self) -> tuple[str, ...]:
-        return tuple(a.strip() for a in self.axes.split(",") if a.strip())
+        return comma_list(self.axes, str)
 
     @property
     def policy_list(self) -> tuple[str, ...]:
-        return tuple(p.strip() for p in self.policies.split(",") if p.strip())
+        return comma_list(self.policies, str)
 
 
 def bounds(chosen: Any) -> dict[str, Any]:

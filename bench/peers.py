@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from tracker.framework.settings import comma_list
+
 
 @dataclass(frozen=True, slots=True)
 class Worker:
@@ -152,7 +154,7 @@ def named(spec: str) -> list[str]:
 
     :raises ValueError: ``spec`` names an arm that does not exist.
     """
-    names = [name for name in spec.split(",") if name]
+    names = list(comma_list(spec, str))
     unknown = [name for name in names if name not in PEERS]
     if unknown:
         raise ValueError(f"unknown peers: {', '.join(unknown)} (known: {', '.join(PEERS)})")

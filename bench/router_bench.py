@@ -52,7 +52,7 @@ from tracker.core.blocks import Namespace
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.cli import parse_argv
 from tracker.framework.errors import ConfigError
-from tracker.framework.settings import Settings, setting
+from tracker.framework.settings import Settings, comma_list, setting
 
 STAGES: Final = ("tokenize", "hash", "lookup", "score", "total")
 # The router's default lookup budget. The benchmark lifts it to time whole lookups, and counts
@@ -299,7 +299,7 @@ class RouterBenchSettings(Settings):
 
     @property
     def size_list(self) -> list[int]:
-        return [int(s) for s in self.sizes.split(",") if s]
+        return list(comma_list(self.sizes, int))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

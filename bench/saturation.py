@@ -59,7 +59,7 @@ from bench.stack import LocalStack
 from router.upstream import KEEPALIVE_EXPIRY_S
 from tracker.framework.cli import parse_argv
 from tracker.framework.errors import ConfigError
-from tracker.framework.settings import Settings, setting
+from tracker.framework.settings import Settings, comma_list, setting
 
 DIRECT: Final = "direct"
 
@@ -204,10 +204,6 @@ def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
-def _numbers(spec: str, kind: type[int] | type[float]) -> tuple[Any, ...]:
-    return tuple(kind(item) for item in spec.split(",") if item)
-
-
 @dataclass(frozen=True, kw_only=True)
 class SaturationSettings(Settings):
     """``python -m bench.saturation``: the levels, their length and the arms measured."""
@@ -246,15 +242,15 @@ class SaturationSettings(Settings):
 
     @property
     def levels(self) -> tuple[int, ...]:
-        return _numbers(self.concurrency, int)
+        return comma_list(self.concurrency, int)
 
     @property
     def rate_levels(self) -> tuple[float, ...]:
-        return _numbers(self.rates, float)
+        return comma_list(self.rates, float)
 
     @property
     def worker_counts(self) -> tuple[int, ...]:
-        return _numbers(self.workers, int)
+        return comma_list(self.workers, int)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import pytest
 
 from tracker.core.replicas import ReplicaSpec
 from tracker.framework.errors import ConfigError
-from tracker.framework.settings import Settings, setting
+from tracker.framework.settings import Settings, comma_list, setting
 from tracker.ingest.config import LookupSettings, TrackerSettings
 
 
@@ -204,3 +204,11 @@ def test_settings_are_frozen_and_describe_masks_secrets() -> None:
     assert described["password"] == "***"
     assert described["count"] == 3
     assert DemoSettings.from_env({}).describe()["password"] is None
+
+
+def test_comma_list_converts_each_item_and_skips_blank_ones() -> None:
+    assert comma_list(" a, b,,c ", str) == ("a", "b", "c")
+    assert comma_list("100, 200.5", float) == (100.0, 200.5)
+    assert comma_list("", int) == ()
+    with pytest.raises(ValueError, match="invalid literal"):
+        comma_list("8,x", int)

@@ -11,10 +11,12 @@ import argparse
 import dataclasses
 import re
 import types
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Self, Union, get_args, get_origin, get_type_hints
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Self, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from tracker.framework.errors import ConfigError
+
+T = TypeVar("T")
 
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/?#\s]*@")
 
@@ -22,6 +24,16 @@ _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):[^/?#
 def redact_url(text: str) -> str:
     """``text`` with the password of every URL in it masked (``redis://:***@host``)."""
     return _URL_PASSWORD.sub(r"\g<head>:***@", text)
+
+
+def comma_list(spec: str, kind: Callable[[str], T]) -> tuple[T, ...]:
+    """The items of a comma-separated setting (``"a, b,"`` -> ``("a", "b")``), each converted
+    by ``kind``; blank items are skipped.
+
+    :raises ValueError: ``kind`` refuses an item (a settings class reports it as a
+        :class:`~tracker.framework.errors.ConfigError`).
+    """
+    return tuple(kind(item.strip()) for item in spec.split(",") if item.strip())
 
 
 def setting(
