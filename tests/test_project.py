@@ -203,17 +203,3 @@ def test_parts_import_only_towards_the_core() -> None:
     assert {module: bad for module, bad in offenders.items() if bad} == {}
     assert graph.keys() >= SERVICE_ENTRIES
     assert {part_of(module) for module in graph} == set(ALLOWED)
-
-
-MAX_MODULE_LINES = 400
-"""What a reader takes in at one sitting; a module past it is split along a responsibility."""
-
-
-def test_every_module_stays_readable_at_one_sitting() -> None:
-    lengths = {
-        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
-        for part in (*PARTS, "tests", "scripts")
-        for path in (ROOT / part).rglob("*.py")
-    }
-    assert len(lengths) > 100  # the walk found the project
-    assert {path: n for path, n in lengths.items() if n > MAX_MODULE_LINES} == {}
