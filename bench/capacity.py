@@ -7,7 +7,7 @@ arrive in order (the prefill no router can avoid), the distinct blocks that two 
 requests share, and the blocks private to each request.
 
 :func:`capacity` then solves the engine's steady state with its own latency profile
-(:class:`publishers.latency.LatencyProfile`): at ``λ`` requests/s per replica a step of
+(:class:`publishers.sim.latency.LatencyProfile`): at ``λ`` requests/s per replica a step of
 ``D`` ms computes ``λ·D·(u + O)`` tokens, so ``D = max(floor, c0 / (1 - a·λ))`` with ``a``
 the compute per request (tokens, attention and KV reads), and ``N = λ·O·D`` requests decode
 at once. The capacity is the largest ``λ`` for which the compute stays under 90 % of the
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from bench.workloads import Conversation, Workload, messages, text
 from publishers.config import EngineShape
-from publishers.latency import LatencyProfile, load_profile
+from publishers.sim.latency import LatencyProfile, load_profile
 from tracker.core.blocks import Namespace, block_keys
 from tracker.core.tokens import Tokenizer
 

@@ -1,2 +1,3 @@
-"""Event publishers: a simulated vLLM engine with vLLM's ZeroMQ KV-event publisher, and the
-shim that attaches real vLLM servers to kvrouter."""
+"""Event publishers: the simulated vLLM engine (:mod:`publishers.sim`) and the shim that attaches
+real vLLM servers (:mod:`publishers.vllm`), with what both use: vLLM's ZeroMQ KV-event
+publisher and endpoint rules, registry heartbeats, and the commands' settings."""

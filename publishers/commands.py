@@ -12,7 +12,7 @@ from tracker.framework.cli import Command
 
 
 def _run_replica(settings: ReplicaSettings) -> int:
-    from publishers.fleet import run  # noqa: PLC0415 - keep `kvrouter --help` light
+    from publishers.sim.fleet import run  # noqa: PLC0415 - keep `kvrouter --help` light
 
     return run(settings)
 

@@ -53,7 +53,7 @@ class EngineShape:
     """A simulated engine's size and speed, declared once.
 
     :class:`ReplicaSettings` takes its defaults from these fields (its fields of the same
-    names); the engine's own config (:class:`publishers.engine_config.EngineConfig`) and the
+    names); the engine's own config (:class:`publishers.sim.engine.EngineConfig`) and the
     benchmark's stack and fleet configs extend this class.
 
     Attributes:
@@ -61,7 +61,7 @@ class EngineShape:
         num_blocks: KV-cache capacity in blocks.
         max_num_batched_tokens: scheduler token budget per step.
         max_num_seqs: most requests running at once.
-        profile: latency profile name (:data:`publishers.latency.PROFILES`).
+        profile: latency profile name (:data:`publishers.sim.latency.PROFILES`).
         floor_ms: override of the profile's per-step floor (``None``: the profile's).
         time_scale: multiplies every step's duration (0.01 runs 100x faster than real).
     """

@@ -18,10 +18,8 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from publishers.cache import CachedBlock
-from publishers.engine import SimulatedEngine
-from publishers.engine_config import EngineConfig
-from publishers.generation import GenerationRequest
+from publishers.sim.cache import CachedBlock
+from publishers.sim.engine import EngineConfig, GenerationRequest, SimulatedEngine
 from publishers.zmq import ZmqEventPublisher
 from tracker.core.blocks import Namespace, block_keys, own_extra_keys
 from tracker.core.keys import NamespaceKeys, bucket_entries

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from publishers.config import WILDCARD_HOSTS, ReplicaSettings, tcp_parts
-from publishers.fleet import FleetService
+from publishers.sim.fleet import FleetService
 from router.config import RouterSettings
 from tests.deployment import (
     COMPOSE_FILE,

@@ -2,7 +2,7 @@
 
 It needs the simulated engine's probe: ``POST /kvrouter/probe`` with the prompt's token ids
 (and cache salt) answers the engine's own TTFT prediction from its real prefix cache and
-queue at that moment (:mod:`publishers.probe`; no real engine can answer this cheaply, and
+queue at that moment (:mod:`publishers.sim.probe`; no real engine can answer this cheaply, and
 vLLM has no such endpoint). The oracle tokenizes the prompt, probes every candidate at once,
 and picks the lowest ``expected_ttft_ms`` (ties within ``tie_epsilon_ms`` at random).
 

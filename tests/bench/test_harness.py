@@ -10,7 +10,7 @@ from bench.fleet import FleetConfig, lone_prefill_speed
 from bench.harness import POLICIES, POLICY_FLAGS
 from bench.peers import PEERS
 from publishers.config import EngineShape, ReplicaSettings, shape_fields
-from publishers.latency import load_profile
+from publishers.sim.latency import load_profile
 from router.policies import BASELINES
 from router.policies import POLICIES as ROUTER_POLICIES
 from router.policy_types import DEFAULT_SPEED, PolicyConfig

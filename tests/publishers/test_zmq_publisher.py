@@ -206,10 +206,8 @@ def test_connects_out_to_a_bound_subscriber(ctx: Sockets) -> None:
 
 
 async def test_engine_events_over_zmq_rebuild_its_cache(ctx: Sockets) -> None:
-    from publishers.engine import SimulatedEngine
-    from publishers.engine_config import EngineConfig
-    from publishers.generation import GenerationRequest
-    from tests.publishers.test_engine import Reference
+    from publishers.sim.engine import EngineConfig, GenerationRequest, SimulatedEngine
+    from tests.publishers.sim.test_engine import Reference
 
     with make(era=WireEra.V0_22_0) as pub:
         sub = subscribe(ctx, pub.endpoint)

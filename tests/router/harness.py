@@ -16,8 +16,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from publishers.config import ReplicaSettings
-from publishers.engine import SimulatedEngine
-from publishers.fleet import FleetService
+from publishers.sim.engine import SimulatedEngine
+from publishers.sim.fleet import FleetService
 from router.config import RouterSettings
 from router.service import RouterService
 from tests.procs import KVROUTER, free_ports, kvrouter_env

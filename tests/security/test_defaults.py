@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from publishers.config import ReplicaSettings
-from publishers.fleet import FleetService
+from publishers.sim.fleet import FleetService
 from tests.procs import free_port
 from tracker.core.event_codec import decode_batch
 from tracker.core.events import decode_message

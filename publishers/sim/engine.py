@@ -1,15 +1,8 @@
-"""The simulated vLLM engine: requests, the continuous-batching scheduler and the step loop.
+"""The simulated vLLM engine: its config, requests and their token streams, the
+continuous-batching scheduler and the step loop (no HTTP; forward passes are sleeps).
 
-Scheduling follows vLLM v1 (FCFS): a step's token budget goes to running requests first (one
-decode token, or the next prefill chunk), then to waiting ones, which reuse their longest cached
-prefix; a request that cannot get a block preempts the most recently admitted one (recompute),
-and nothing is admitted in a step that preempted. A step sleeps ``step_ms * time_scale``,
-samples a token for each request whose prompt is computed, publishes the step's KV events (one
-batch, after the forward pass, as vLLM >= 0.11.1) and then streams the tokens. Outputs are
-synthetic but greedy-like: drawn from the prompt's own ids by an RNG seeded with the prompt, so
-every replica produces the same tokens (and blocks) for it; there is no EOS, a request ends at
-``max_tokens`` or ``max_model_len`` ("length"). ``AllBlocksCleared`` rides with the next step's
-batch, as in vLLM: an idle engine announces a reset only when new work arrives.
+How it schedules, when it publishes and what it outputs: docs/architecture.md, "Simulated
+engine".
 """
 
 from __future__ import annotations
@@ -19,21 +12,125 @@ import contextlib
 import logging
 import random
 from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
 
-from publishers.block_hashes import TokenSequence, none_hash
-from publishers.cache import BlockPool, CachedBlock, KVCacheManager
-from publishers.engine_config import EngineConfig
-from publishers.generation import GenerationRequest, RequestStream
-from publishers.latency import LatencyProfile, load_profile
-from publishers.probe import EngineProbe, QueuedWork, probe
+from publishers.config import EngineShape
+from publishers.sim.block_hashes import TokenSequence, none_hash
+from publishers.sim.cache import BlockPool, CachedBlock, KVCacheManager
+from publishers.sim.latency import LatencyProfile, load_profile
+from publishers.sim.probe import EngineProbe, QueuedWork, probe
 from tracker.core.events import Event
 
-__all__ = ["EngineStats", "EventSink", "SimulatedEngine"]
+__all__ = [
+    "EngineConfig",
+    "EngineStats",
+    "EventSink",
+    "GenerationRequest",
+    "RequestStream",
+    "SimulatedEngine",
+]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(EngineShape):
+    """Shape and speed of a simulated engine (:class:`~publishers.config.EngineShape`), and
+    what else it serves with.
+
+    Attributes:
+        model: served model name (informational).
+        hash_seed: the ``PYTHONHASHSEED`` string the block-hash chain is seeded with.
+        data_parallel_rank: rank of this engine (informational; the publisher stamps it).
+        lookahead_tokens: tokens after each block folded into its hash, as vLLM 0.33 does
+            with EAGLE-style drafting (``BlockStored.lookahead_token_ids``).
+        max_model_len: longest prompt + output; a request reaching it finishes with
+            "length" (default and upper bound: the cache capacity, as vLLM requires).
+        offload_blocks: blocks of a CPU tier behind the GPU cache, as vLLM's offloading
+            connector keeps (0: none); see :class:`publishers.sim.cache.OffloadTier`.
+        offload_ms_per_token: time to load one token's KV back from the CPU tier (Llama-8B's
+            128 KiB per token over a ~50 GB/s host link: 0.003 ms, a tenth of recomputing it).
+    """
+
+    model: str = "default"
+    hash_seed: str = "0"
+    data_parallel_rank: int = 0
+    max_model_len: int | None = None
+    lookahead_tokens: int = 0
+    offload_blocks: int = 0
+    offload_ms_per_token: float = 0.003
+
+    def __post_init__(self) -> None:
+        if self.lookahead_tokens < 0:
+            raise ValueError("lookahead_tokens must be >= 0")
+        if self.offload_blocks < 0 or not self.offload_ms_per_token >= 0:
+            raise ValueError("offload_blocks and offload_ms_per_token must be >= 0")
+        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
+        capacity = self.num_blocks * self.block_size
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", capacity)
+        elif not 0 < self.max_model_len <= capacity:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the cache ({capacity})")
+
+
+class GenerationRequest(msgspec.Struct):
+    """A tokenized generation request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    ignore_eos: bool = True
+
+
+class RequestStream:
+    """The output side of one request: token ids per engine step, then the finish reason.
+
+    ``cached_tokens`` is set when the request is first scheduled (prefix-cache hits, in
+    tokens); ``finish_reason`` is ``"length"``, ``"abort"`` or ``None`` while running.
+    """
+
+    def __init__(self, request_id: str, prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
+        self.output_tokens = 0
+        self.finish_reason: str | None = None
+        self._chunks: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        self._first = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _push(self, tokens: list[int]) -> None:
+        self.output_tokens += len(tokens)
+        self._chunks.put_nowait(tokens)
+        self._first.set()
+
+    def _finish(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self._chunks.put_nowait(None)
+            self._first.set()
+
+    async def __aiter__(self) -> AsyncIterator[list[int]]:
+        while (chunk := await self._chunks.get()) is not None:
+            yield chunk
+        self._chunks.put_nowait(None)  # a later iteration ends at once too
+
+    async def wait_first_token(self) -> None:
+        """Return once the first token exists, or the request ended without one."""
+        await self._first.wait()
 
 
 class EventSink(Protocol):
@@ -81,7 +178,8 @@ class _Request:
 
 
 class SimulatedEngine:
-    """A vLLM-like engine whose forward passes are sleeps; see the module docstring.
+    """A vLLM v1-like engine (FCFS continuous batching, chunked prefill, preemption by
+    recompute) whose forward passes are sleeps of its latency profile's step time.
 
     Args:
         config: engine shape and speed.
@@ -204,7 +302,7 @@ class SimulatedEngine:
     def probe(self, token_ids: list[int], cache_salt: str | None = None) -> EngineProbe:
         """What the scheduler would do with this prompt now (the benchmark oracle; not vLLM).
 
-        Changes nothing; see :mod:`publishers.probe`.
+        Changes nothing; see :mod:`publishers.sim.probe`.
         """
         config = self.config
         seq = TokenSequence(

@@ -20,11 +20,10 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from publishers.config import WILDCARD_HOSTS, ReplicaSettings, shape_fields, tcp_parts
-from publishers.engine import SimulatedEngine
-from publishers.engine_config import EngineConfig
-from publishers.faults import debug_routes
 from publishers.registration import RegistrationService
-from publishers.server import create_app
+from publishers.sim.engine import EngineConfig, SimulatedEngine
+from publishers.sim.faults import debug_routes
+from publishers.sim.server import create_app
 from publishers.zmq import ZmqEventPublisher, binds
 from tracker.core.backends import open_index
 from tracker.core.chat import load_chat_template

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from publishers.block_hashes import TokenSequence
-from publishers.cache import KVCacheManager
 from publishers.config import EngineShape
-from publishers.latency import LatencyProfile
+from publishers.sim.block_hashes import TokenSequence
+from publishers.sim.cache import KVCacheManager
+from publishers.sim.latency import LatencyProfile
 
 _MAX_STEPS = 10_000  # bounds the step loop for absurd queues
 

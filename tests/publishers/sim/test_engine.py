@@ -12,10 +12,8 @@ from typing import Any
 
 import pytest
 
-from publishers.cache import CachedBlock
-from publishers.engine import SimulatedEngine
-from publishers.engine_config import EngineConfig
-from publishers.generation import GenerationRequest, RequestStream
+from publishers.sim.cache import CachedBlock
+from publishers.sim.engine import EngineConfig, GenerationRequest, RequestStream, SimulatedEngine
 from tracker.core.event_codec import WireEra, decode_batch, encode_batch
 from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 

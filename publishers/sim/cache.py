@@ -3,7 +3,7 @@
 Mirrors ``vllm/v1/core/{block_pool,kv_cache_manager}.py`` for one full-attention KV-cache
 group, including when the KV events are produced (``docs/vllm-kv-events.md`` §4):
 
-* full blocks are keyed by vLLM's ``sha256`` chain (:mod:`publishers.block_hashes`); events
+* full blocks are keyed by vLLM's ``sha256`` chain (:mod:`publishers.sim.block_hashes`); events
   carry the low 64 bits of each digest;
 * blocks are cached (``BlockStored``) when the scheduler allocates the slots that fill them,
   before the forward pass runs; a free block keeps its hash and stays hittable until it is
@@ -26,7 +26,7 @@ from typing import Any, Final
 
 import msgspec
 
-from publishers.block_hashes import TokenSequence, external_hash
+from publishers.sim.block_hashes import TokenSequence, external_hash
 from tracker.core.events import (
     MEDIUM_CPU,
     MEDIUM_GPU,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from publishers.block_hashes import TokenSequence, external_hash, none_hash
-from publishers.cache import BlockPool, KVCacheManager
+from publishers.sim.block_hashes import TokenSequence, external_hash, none_hash
+from publishers.sim.cache import BlockPool, KVCacheManager
 from tracker.core.blocks import Namespace, block_keys
 from tracker.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 

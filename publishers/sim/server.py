@@ -1,13 +1,11 @@
-"""The simulated engine's OpenAI-compatible route handlers, shaped like vLLM's.
+"""The simulated engine's OpenAI-compatible HTTP app, shaped like vLLM's: its routes, their
+handlers, request ids and vLLM's error shapes.
 
-Generation: ``/v1/chat/completions`` and ``/v1/completions``, streaming (SSE) or not, with
-``usage.prompt_tokens_details.cached_tokens`` taken from the engine's real prefix reuse.
-Tokenization: ``/tokenize``, ``/detokenize`` and vLLM's render endpoints, answered at once
-(never queued behind simulated compute; large prompts are tokenized on a worker thread).
-Operations: ``/v1/models``, ``/health``, ``/reset_prefix_cache``. Simulation only, not part
-of vLLM: ``POST /kvrouter/probe`` (``{"token_ids": [...], "cache_salt": null}``) answers what
-the engine would reuse and how long the prompt would wait right now
-(:mod:`publishers.probe`), for the benchmark's oracle policy.
+Generation (``/v1/chat/completions``, ``/v1/completions``, streamed or not, with
+``cached_tokens`` from the engine's real prefix reuse), tokenization (``/tokenize``,
+``/detokenize``, vLLM's render endpoints; never queued behind simulated compute), operations
+(``/v1/models``, ``/health``, ``/reset_prefix_cache``, ``/metrics``) and, simulation only,
+``POST /kvrouter/probe`` (:mod:`publishers.sim.probe`).
 """
 
 from __future__ import annotations
@@ -15,27 +13,75 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from publishers import protocol as wire
-from publishers.engine import SimulatedEngine
-from publishers.generation import GenerationRequest, RequestStream
-from publishers.metrics import ServerMetrics
-from publishers.protocol import Head, RequestError
+from publishers.sim import protocol as wire
+from publishers.sim.engine import GenerationRequest, RequestStream, SimulatedEngine
+from publishers.sim.metrics import ServerMetrics
+from publishers.sim.protocol import Head, RequestError
 from tracker.core.tokens import Tokenizer
-from tracker.framework.http import CLIENT_CLOSED, ClientWatch
+from tracker.framework.errors import TokenizationError
+from tracker.framework.http import (
+    CLIENT_CLOSED,
+    BodyLimitMiddleware,
+    ClientWatch,
+    Handler,
+    answer_errors,
+    content_type_refusal,
+    http_error_handler,
+    metrics_endpoint,
+)
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_BODY_BYTES: Final = 32 << 20
 DEFAULT_MAX_TOKENS: Final = 16
 THREAD_BODY_BYTES: Final = 4096  # bodies above this are tokenized off the event loop
 _RESERVED_TEMPLATE_KEYS: Final = frozenset({"messages", "tools", "add_generation_prompt"})
+ENGINE_HEADER: Final = "X-Kvrouter-Engine"
+
+
+class RequestIdMiddleware:
+    """Echo the client's ``X-Request-Id`` (or a fresh one) on every response.
+
+    :param engine_id: also name the engine that answered (``X-Kvrouter-Engine``), so a
+        benchmark can tell which engine served a request whatever router sent it there
+        (simulation only: vLLM sends no such header).
+    """
+
+    def __init__(self, app: ASGIApp, *, engine_id: str | None = None) -> None:
+        self.app = app
+        self.engine_id = engine_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["request_id"] = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers.append("X-Request-Id", state["request_id"])
+                if self.engine_id is not None:
+                    headers.append(ENGINE_HEADER, self.engine_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def _first_set(*values: int | None) -> int | None:
@@ -349,3 +395,100 @@ class EngineHandlers:
         done = await self.engine.reset_prefix_cache()
         logger.info("prefix cache reset", extra={"model": self.model, "reset": done})
         return Response(status_code=200)
+
+
+def _openai_errors(handler: Handler) -> Handler:
+    """``handler`` for a JSON body (vLLM reads one only when declared so, or not declared),
+    with every error answered in vLLM's shape (a bug's without details)."""
+
+    async def checked(request: Request) -> Response:
+        refusal = content_type_refusal(request.headers.get("content-type"))
+        if refusal is not None:
+            raise RequestError(refusal)
+        return await handler(request)
+
+    return answer_errors(
+        checked, _error_response, expected=(RequestError, TokenizationError), log=logger
+    )
+
+
+def _error_response(exc: Exception) -> Response:
+    """vLLM's error response to ``exc`` (a tokenizer's refusal is a 400, a bug a bare 500)."""
+    if isinstance(exc, RequestError):
+        return wire.error_response(exc)
+    if isinstance(exc, TokenizationError):
+        return wire.error_response(RequestError(str(exc)))
+    return wire.error_response(RequestError("internal error", 500))
+
+
+def _http_error(detail: str, status: int, headers: Mapping[str, str] | None) -> Response:
+    """Starlette's 404 / 405 in vLLM's error shape instead of plain text."""
+    response = wire.json_response(wire.error_body(detail, status), status)
+    response.headers.update(headers or {})
+    return response
+
+
+def create_app(
+    engine: SimulatedEngine,
+    tokenizer: Tokenizer,
+    *,
+    model: str,
+    registry: CollectorRegistry,
+    max_model_len: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    engine_id: str | None = None,
+    adapters: Sequence[str] = (),
+) -> Starlette:
+    """The OpenAI-compatible app around a started ``engine``.
+
+    :param tokenizer: turns messages and prompts into the engine's token ids.
+    :param model: the served model name; requests naming another model get a 404.
+    :param registry: where the vLLM-named metrics are registered (served on ``/metrics``).
+    :param max_model_len: longest prompt + output; default (and upper bound): the engine's.
+    :param max_body_bytes: larger request bodies are refused (413) before anything reads them.
+    :param engine_id: named in every response's ``X-Kvrouter-Engine`` header (benchmarks).
+    :param adapters: LoRA adapters served beside ``model``, each under its own name (its
+        blocks are hashed, and published, with the adapter's name, as vLLM does).
+    """
+    config = engine.config
+    # the engine's own limit (its max_model_len, at most its KV cache) always applies
+    engine_limit = config.max_model_len or config.num_blocks * config.block_size
+    limit = min(max_model_len, engine_limit) if max_model_len else engine_limit
+    recorder = ServerMetrics(
+        registry,
+        engine.stats,
+        model=model,
+        engine_index=config.data_parallel_rank,
+        cache_config={
+            "block_size": str(config.block_size),
+            "num_gpu_blocks": str(config.num_blocks),
+            "enable_prefix_caching": "True",
+        },
+    )
+    server = EngineHandlers(engine, tokenizer, model, limit, recorder, adapters=tuple(adapters))
+
+    def post(path: str, handler: Handler) -> Route:
+        return Route(path, _openai_errors(handler), methods=["POST"])
+
+    routes: Sequence[Route] = [
+        post("/v1/chat/completions", server.chat),
+        post("/v1/completions", server.completions),
+        post("/v1/chat/completions/render", server.render_chat),
+        post("/v1/completions/render", server.render_completion),
+        post("/tokenize", server.tokenize),
+        post("/detokenize", server.detokenize),
+        post("/reset_prefix_cache", server.reset_prefix_cache),
+        post("/kvrouter/probe", server.probe),
+        Route("/v1/models", server.models),
+        Route("/health", server.health),
+        Route("/metrics", metrics_endpoint(registry)),
+    ]
+    handlers = {HTTPException: http_error_handler(_http_error)}
+    app = Starlette(routes=list(routes), exception_handlers=handlers)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=max_body_bytes,
+        error=lambda message: msgspec.json.encode(wire.error_body(message, 413)),
+    )
+    app.add_middleware(RequestIdMiddleware, engine_id=engine_id)
+    return app

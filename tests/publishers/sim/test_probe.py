@@ -8,11 +8,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from publishers.engine import SimulatedEngine
-from publishers.engine_config import EngineConfig
-from publishers.generation import GenerationRequest
-from publishers.latency import load_profile
-from publishers.server import create_app
+from publishers.sim.engine import EngineConfig, GenerationRequest, SimulatedEngine
+from publishers.sim.latency import load_profile
+from publishers.sim.server import create_app
 from tracker.core.tokens import Tokenizer
 from tracker.framework.http import HTTPServer, bind
 

@@ -15,9 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from publishers.engine import SimulatedEngine
-from publishers.engine_config import EngineConfig
-from publishers.server import create_app
+from publishers.sim.engine import EngineConfig, SimulatedEngine
+from publishers.sim.server import create_app
 from tracker.core.tokens import Tokenizer
 from tracker.framework.http import HTTPServer, bind
 

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from publishers.cache import CachedBlock
-from publishers.engine import SimulatedEngine
+from publishers.sim.cache import CachedBlock
+from publishers.sim.engine import SimulatedEngine
 from publishers.zmq import ZmqEventPublisher
 from tracker.core.blocks import Namespace, block_keys, own_extra_keys
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from publishers.latency import PROFILES, LatencyProfile, fit_profile, load_profile
+from publishers.sim.latency import PROFILES, LatencyProfile, fit_profile, load_profile
 
-CALIBRATION = Path(__file__).resolve().parents[1] / "data" / "calibration"
+CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "calibration"
 # profile -> (model key in the json, layer scale)
 MODELS = {"llama-8b": ("llama-8b", 1.0), "llama-70b": ("llama-70b-40of80-layers", 2.0)}
 
