@@ -1,14 +1,7 @@
-"""A vLLM-compatible KV-event publisher: ZeroMQ PUB for live batches, ROUTER for replay.
-
-Behaves like vLLM's ``ZmqEventPublisher`` (``docs/vllm-kv-events.md`` §2): live messages are
-``[topic, seq (8 bytes big-endian), payload]`` with ``seq`` counting published batches from 0;
-the last ``buffer_steps`` payloads are kept for replay; a replay request
-``[identity, b"", start_seq]`` on the ROUTER is answered with every buffered batch whose seq is
-``>= start_seq`` and an end marker, in the legacy (``[seq, payload]``) or topic
-(``[topic, seq, payload]``) layout. Sockets are bound (or, for a PUB endpoint naming a host,
-connected) in the constructor, so address errors surface there, and then owned by a daemon
-thread that encodes, sends and answers replays; :meth:`publish` only enqueues, so the engine's
-event loop never blocks on ZeroMQ.
+"""vLLM's KV-event publisher, reproduced: live batches on a ZeroMQ PUB socket and replays on a
+ROUTER, framed as a chosen vLLM release frames them (``docs/vllm-kv-events.md`` §2; summed up
+in docs/architecture.md, "Simulated engine"); and vLLM's endpoint rules (the port offset per
+data-parallel rank, bind or connect).
 """
 
 from __future__ import annotations
@@ -76,6 +69,10 @@ def _pre_v26(event: Event) -> Event:
 
 class ZmqEventPublisher:
     """Publish engine-step event batches exactly as a chosen vLLM release does.
+
+    The sockets are bound (or connected) in the constructor, so address errors surface there,
+    and then owned by a daemon thread that encodes, sends and answers replays;
+    :meth:`publish` only enqueues, so the engine's event loop never blocks on ZeroMQ.
 
     Args:
         endpoint: PUB address (bound or connected, see :func:`binds`).

@@ -1,21 +1,7 @@
-"""The simulated engine's paged KV cache: vLLM v1's block pool and prefix cache.
+"""The simulated engine's paged KV cache: vLLM v1's block pool, prefix cache and KV-cache
+manager for one full-attention group, the KV events they queue, and an optional CPU tier.
 
-Mirrors ``vllm/v1/core/{block_pool,kv_cache_manager}.py`` for one full-attention KV-cache
-group, including when the KV events are produced (``docs/vllm-kv-events.md`` §4):
-
-* full blocks are keyed by vLLM's ``sha256`` chain (:mod:`publishers.sim.block_hashes`); events
-  carry the low 64 bits of each digest;
-* blocks are cached (``BlockStored``) when the scheduler allocates the slots that fill them,
-  before the forward pass runs; a free block keeps its hash and stays hittable until it is
-  reused for new data (``BlockRemoved``, one hash per event); the free queue is LRU and a
-  finished request frees its blocks tail first, so leaves are evicted before their parents;
-* nothing is de-duplicated: recomputing a cached hash stores a second physical copy.
-
-An optional CPU tier (:class:`OffloadTier`) plays vLLM's offloading connector with a CPU
-backend: the blocks the GPU pool evicts are kept in host memory, announced and dropped with
-the connector's events (``medium="CPU"``, no tokens, the GPU pool's hashes as v0.24+ sends
-them), and a prompt whose cached prefix continues there loads those blocks back instead of
-recomputing them.
+When each event is produced, as vLLM does: docs/architecture.md, "Simulated engine".
 """
 
 from __future__ import annotations

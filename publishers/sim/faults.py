@@ -1,13 +1,6 @@
-"""Simulation-only routes of a simulated engine: its cache as index keys, and fault injection.
-
-Not part of vLLM. ``GET /kvrouter/cached_blocks`` answers what a consistent index holds for
-this engine: the kvrouter block key of every block in its prefix cache, and the sequence
-number of the last event batch it published (``-1``: none yet). ``POST /kvrouter/faults``
-(only with ``kvrouter replica --faults``) injects event loss between the engine and the
-tracker: ``{"drop_events": n}`` sends the next ``n`` batches to the replay buffer only (a gap
-that replay repairs); ``{"lose_events": n}`` sends them nowhere and empties the replay buffer
-(a gap beyond it, which the tracker can only answer by clearing the replica). An engine
-that stalls or dies is simulated with signals (SIGSTOP, SIGKILL), not here.
+"""Simulation-only routes of a simulated engine, not part of vLLM: its prefix cache as
+kvrouter block keys (``GET /kvrouter/cached_blocks``), and event loss injected between it and
+the tracker (``POST /kvrouter/faults``), for the consistency checks and the fault drills.
 """
 
 from __future__ import annotations
@@ -26,7 +19,13 @@ from tracker.core.blocks import Namespace, block_keys, own_extra_keys
 
 
 class FaultRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``POST /kvrouter/faults``: how many upcoming event batches to drop or lose."""
+    """``POST /kvrouter/faults``: how many upcoming event batches to drop or lose.
+
+    ``drop_events`` batches go to the replay buffer only (a gap that replay repairs);
+    ``lose_events`` go nowhere and empty the replay buffer (a gap beyond it, which the tracker
+    can only answer by clearing the replica). An engine that stalls or dies is simulated with
+    signals (SIGSTOP, SIGKILL), not here.
+    """
 
     drop_events: int = 0
     lose_events: int = 0
@@ -73,7 +72,13 @@ def index_keys(blocks: dict[int, CachedBlock], model: str, block_size: int) -> s
 def debug_routes(
     engine: SimulatedEngine, publisher: ZmqEventPublisher, *, model: str, faults: bool
 ) -> list[Route]:
-    """The routes above for one engine; ``faults=False`` leaves out the injection route."""
+    """The simulation-only routes of one engine.
+
+    ``GET /kvrouter/cached_blocks`` answers what a consistent index holds for the engine: the
+    kvrouter block key of every block in its prefix cache, and the sequence number of the last
+    event batch it published (``-1``: none yet). ``POST /kvrouter/faults`` (:class:`FaultRequest`)
+    is left out unless ``faults`` (``kvrouter replica --faults``).
+    """
     config = engine.config
 
     async def cached_blocks(request: Request) -> Response:

@@ -1,26 +1,8 @@
-"""Step-latency model of the simulated engine, fitted to measured H200 forward passes.
+"""The simulated engine's step-latency model: :class:`LatencyProfile` prices one engine step
+from the work scheduled in it, :func:`fit_profile` fits a profile to measured forward passes,
+and :data:`PROFILES` holds the fitted ones (``llama-8b``, ``llama-70b``).
 
-One engine step runs the prefill chunks and decode tokens the scheduler picked. Its duration::
-
-    compute = step_compute_ms + token_ms * N + attention_ms * A
-    floor   = floor_ms * prefill_floor(c_max)   if the step prefills, else floor_ms
-    step    = max(floor, compute) + kv_ms_per_token * (sum of decode contexts)
-
-``N`` counts every token computed in the step (each decode is one), ``A`` sums, over those
-tokens, the context each attends to (``n * (c + n / 2)`` for a chunk of ``n`` new tokens
-after ``c`` earlier ones, ``ctx`` for a decode), and ``c_max`` is the largest earlier context
-among the prefill chunks. Prefill is compute-bound (the batch-of-4 rows cost 4x, with one
-shared ``step_compute_ms``), while a step with little work costs a floor (kernel launches and,
-in the measurements, HF eager-mode overhead) that the compute overlaps. Prefill steps pay a
-floor that grows with the cached context: ``prefill_floor`` interpolates, as multiples of
-``floor_ms``, the measured warm-prefill times (one knot per prompt length, placed between the
-``_32`` and ``_128`` suffix rows and valued at their harmonic mean, so both rows get the same
-smallest relative error) and the floor-bound cold rows at context 0.
-
-:data:`PROFILES` is the constants table :func:`fit_profile` produced from
-``shared/calibration/h200-prefill.json`` (the ``llama-70b`` rows doubled: the measured model
-had 40 of its 80 layers), rounded to 6 significant digits; regenerate it with the calls in
-the comment above the table. The test suite checks the table against a fresh fit.
+The model, its fit and the measurements behind it: docs/architecture.md, "Simulated engine".
 """
 
 from __future__ import annotations
@@ -40,6 +22,11 @@ _WARM_SUFFIXES: Final = (32, 128)
 @dataclass(frozen=True)
 class LatencyProfile:
     """Parameters of one model's step-latency model (all times in milliseconds).
+
+    A step lasts ``max(floor, compute) + kv_ms_per_token * (sum of decode contexts)``, where
+    ``compute = step_compute_ms + token_ms * N + attention_ms * A`` (``N`` tokens computed,
+    ``A`` pairs of a computed token and a context token it attends to) and ``floor`` is
+    ``floor_ms``, times :meth:`prefill_floor_at` the largest earlier context when it prefills.
 
     Attributes:
         name: profile name, e.g. ``llama-8b``.

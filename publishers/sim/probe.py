@@ -1,25 +1,8 @@
-"""What a simulated engine would do with a prompt right now: the benchmark oracle's view.
+"""What a simulated engine would do with a prompt right now, changing nothing: the answer of
+``POST /kvrouter/probe`` (simulation only, not part of vLLM), which the benchmark's oracle
+policy reads.
 
-Not part of vLLM (no real engine can answer this cheaply): ``POST /kvrouter/probe`` exists so
-that ``kvrouter bench`` can measure an upper bound, a router that reads every engine's real
-prefix cache and queue at decision time. Nothing here changes the engine's state.
-
-For a prompt the probe reports
-
-* ``cached_tokens``: the prefix the scheduler would reuse if it admitted the prompt now
-  (vLLM's rule: full blocks only, the last token always recomputed);
-* ``expected_cached_tokens``: the same, also counting blocks that requests queued ahead
-  (waiting, or running but still prefilling) will have cached by the time this prompt is
-  admitted (FCFS: they are admitted first, and vLLM caches a block when it allocates it);
-* the queue: running / waiting requests and ``queued_prefill_tokens``, the prompt tokens
-  those requests still have to prefill;
-* ``expected_ttft_ms``: simulated milliseconds (unscaled) until the prompt's first token,
-  from the engine's own latency profile: steps of ``max_num_batched_tokens`` (less one
-  token per decoding request) working through the queued prefill and then this prompt's,
-  each priced by :meth:`LatencyProfile.step_ms`, plus a wait for KV blocks when the cache
-  cannot hold the queue and the prompt. The rest of the step in flight, ``step_left_ms``,
-  is reported apart: it changes every few milliseconds and says nothing about the next
-  request, so a policy that adds it chases idle engines and scatters shared prefixes.
+Its fields and how each is estimated: docs/benchmarks.md, "The probe".
 """
 
 from __future__ import annotations
@@ -39,7 +22,8 @@ _MAX_STEPS = 10_000  # bounds the step loop for absurd queues
 
 
 class EngineProbe(msgspec.Struct, frozen=True):
-    """The probe's answer (the JSON body of ``POST /kvrouter/probe``)."""
+    """The probe's answer (the JSON body of ``POST /kvrouter/probe``); times in simulated,
+    unscaled milliseconds."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -102,7 +86,7 @@ def probe(
     running: Sequence[QueuedWork],
     step_left_ms: float,
 ) -> EngineProbe:
-    """The engine's answer for ``seq`` given its queue (see the module docstring)."""
+    """The engine's answer for ``seq`` given its queue (docs/benchmarks.md, "The probe")."""
     size = shape.block_size
     ahead: set[bytes] = set()
     queued = 0
