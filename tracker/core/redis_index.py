@@ -20,7 +20,7 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from tracker.core import keys as schema
-from tracker.core import lua, lua_router
+from tracker.core import lua
 from tracker.core.blocks import Namespace
 from tracker.core.index import LOAD_TTL_S, Home, Match, ReplicaRecord, Residency, Survey
 from tracker.core.redis_client import RedisConnection, open_redis
@@ -38,7 +38,7 @@ def _ms(seconds: float) -> int:
 
 
 def load_sums(reply: Sequence[Any]) -> dict[str, tuple[int, int, int]]:
-    """A load snapshot's reply (``tracker.core.lua_router`` ``load_snapshot``: replica, in
+    """A load snapshot's reply (``load_snapshot`` of :mod:`tracker.core.lua`: replica, in
     flight, queued tokens, age ms of the oldest still prefilling, ...) per replica; replica ""
     is another router's presence."""
     return {
@@ -66,9 +66,9 @@ class RedisIndex(RedisRecovery):
     def __init__(self, client: redis.Redis, connection: RedisConnection | None = None) -> None:
         super().__init__(client, connection)
         self._lookup = client.register_script(lua.LOOKUP)
-        self._predict = client.register_script(lua_router.PREDICT)
-        self._claim = client.register_script(lua_router.CLAIM)
-        self._route = client.register_script(lua_router.ROUTE)
+        self._predict = client.register_script(lua.PREDICT)
+        self._claim = client.register_script(lua.CLAIM)
+        self._route = client.register_script(lua.ROUTE)
         self._heartbeat = client.register_script(lua.HEARTBEAT)
         self._registry = client.register_script(lua.REGISTRY)
 

@@ -17,7 +17,7 @@ import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 
 from tracker.core import keys as schema
-from tracker.core import lua_lease
+from tracker.core import lua
 from tracker.core.blocks import Namespace
 from tracker.core.ledger import LedgerChanges, ReplicaLedger
 from tracker.core.redis_client import RedisConnection
@@ -60,7 +60,7 @@ class RedisRecovery(RedisWriter):
     def __init__(self, client: redis.Redis, connection: RedisConnection | None = None) -> None:
         super().__init__(client, connection)
         self._server: str | None = None  # run_id of the server the ledgers were last written to
-        self._raise_fence = client.register_script(lua_lease.FENCE_RAISE)
+        self._raise_fence = client.register_script(lua.FENCE_RAISE)
 
     async def restore_lost(self) -> int:
         """Write back the state of every tracked replica that Redis lost or holds older.

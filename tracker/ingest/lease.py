@@ -27,7 +27,7 @@ import socket
 import redis.asyncio as redis
 
 from tracker.core import keys as schema
-from tracker.core import lua_lease
+from tracker.core import lua
 from tracker.core.redis_client import redis_call
 
 
@@ -51,8 +51,8 @@ class TrackerLease:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.lease_key, self.fence_key = schema.tracker_lease(election)
         self.fence = 0  # this tracker's fencing number while it holds the lease
-        self._acquire = client.register_script(lua_lease.LEASE_ACQUIRE)
-        self._keep = client.register_script(lua_lease.LEASE_KEEP)
+        self._acquire = client.register_script(lua.LEASE_ACQUIRE)
+        self._keep = client.register_script(lua.LEASE_KEEP)
 
     @property
     def _ttl_ms(self) -> int:
