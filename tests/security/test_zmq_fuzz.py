@@ -154,7 +154,7 @@ async def _assert_same_index(redis_url: str, reference: MemoryIndex, replicas: l
         table = reference._blocks.get(NS, {})
         for replica in replicas:
             expected = reference._ledgers.get((replica, NS))
-            restored = await fresh._ledger(replica, NS)  # rebuilt from Redis' engine map
+            restored = await fresh.writer.ledger(replica, NS)  # rebuilt from Redis' engine map
             engine = {h: (b.key, *b.counts()) for h, b in restored.engine.items()}
             wanted = expected.engine if expected is not None else {}
             assert engine == {h: (b.key, *b.counts()) for h, b in wanted.items()}, replica
