@@ -1,11 +1,9 @@
 """Every server-side Redis script of kvrouter, and the Lua snippets they share.
 
 Sections: the shared snippets (bucket names, entry layout, clocks, the load snapshot), the
-index's scripts (apply a batch, look a chain up, replica ids, registry), the routers' (the
-writes after routing, the shared load of :mod:`router.redis_load`) and the tracker
-election's (lease, partition fences; :mod:`tracker.ingest.lease`). Key layout and the
-constants interpolated here are :mod:`tracker.core.keys`'. Every key a call touches shares
-the hash tag of the keys it declares, so the scripts run unchanged on Redis Cluster.
+index's scripts, the routers' (:mod:`router.redis_load` too) and the tracker election's. Key
+names and the layout constants interpolated here come from :mod:`tracker.core.keys`; every
+key a call touches shares the hash tag of the keys it declares (one Redis Cluster slot).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Redis-backed block index shared by every router and tracker; layout in :mod:`tracker.core.keys`.
+"""Redis-backed block index shared by every router and tracker; keys from :mod:`tracker.core.keys`.
 
 :class:`RedisIndex` answers lookups (one ``EVALSHA`` of :data:`tracker.core.lua.LOOKUP` walks
 the whole chain server-side), takes the routers' writes and keeps the replica registry; it

@@ -1,24 +1,8 @@
 """One replica's event stream: sequence tracking, gap replay, restart fencing, orphan resync.
 
-Live messages of a replica are queued by the subscriber and applied, strictly in sequence
-order, by the stream's worker. Per replica the stream keeps ``last`` (last applied seq),
-``live_high`` (highest seq seen on the live stream) and ``covered`` (the seq range obtained
-by replay), and decides for each live message ``m``:
-
-=====================================  ================================================
-``last`` unknown (fresh or reset)      replay from 0 first if ``m.seq > 0``, then apply
-``m.seq == last + 1``                  apply
-``m.seq > last + 1``                   gap: replay from ``last + 1``; incomplete replay
-                                       or none -> clear, continue from what is available
-``m.seq <= last``, inside ``covered``  already applied through a replay: skip
-and above ``live_high``
-``m.seq <= last`` otherwise            sequence reset (engine restart): clear, start over
-=====================================  ================================================
-
-While a replay runs, live messages keep queueing; afterwards those already covered are
-skipped. A malformed batch is counted and skipped but still advances ``last``. The stream
-owns a :class:`tracker.ingest.applier.ReplicaApplier`, which applies the batches and keeps
-``last`` and ``covered``.
+The subscriber queues a replica's live messages; the stream's worker applies them strictly
+in sequence order (:meth:`ReplicaStream._on_live` decides each), through the stream's
+:class:`~tracker.ingest.applier.ReplicaApplier`.
 """
 
 from __future__ import annotations
@@ -210,6 +194,26 @@ class ReplicaStream:
     # ----------------------------------------------------------- sequencing
 
     async def _on_live(self, message: Message) -> None:
+        """Apply a live message ``m`` in sequence, by ``last`` (last applied seq),
+        ``live_high`` (highest seq seen live) and ``covered`` (the seq range obtained by
+        replay):
+
+        =====================================  ===========================================
+        ``last`` unknown (fresh or reset)      replay from 0 first if ``m.seq > 0``, then
+                                               apply
+        ``m.seq == last + 1``                  apply
+        ``m.seq > last + 1``                   gap: replay from ``last + 1``; incomplete
+                                               replay or none -> clear, continue from
+                                               what is available
+        ``m.seq <= last``, inside ``covered``  already applied through a replay: skip
+        and above ``live_high``
+        ``m.seq <= last`` otherwise            sequence reset (engine restart): clear,
+                                               start over
+        =====================================  ===========================================
+
+        While a replay runs, live messages keep queueing; afterwards those already covered
+        are skipped.
+        """
         self._metrics.messages.labels("live").inc()
         self._live_at = time.monotonic()
         self._heard()
