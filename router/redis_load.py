@@ -53,7 +53,7 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from router.load import Load, LoadTotals
-from tracker.core import lua_router
+from tracker.core import lua
 from tracker.core.blocks import Namespace
 from tracker.core.keys import NamespaceKeys
 from tracker.core.redis_index import load_sums
@@ -131,8 +131,8 @@ class RedisLoadBoard(LoadTotals):
         self.renew_interval_s = renew_interval_s
         self.push_delay_s = push_delay_s
         self.stats = LoadBoardStats()
-        self._put = client.register_script(lua_router.LOAD_PUT)
-        self._snapshot = client.register_script(lua_router.LOAD_SNAPSHOT)
+        self._put = client.register_script(lua.LOAD_PUT)
+        self._snapshot = client.register_script(lua.LOAD_SNAPSHOT)
         self._keys: dict[Namespace, str] = {}
         self._dirty: set[_Key] = set()
         self._written: set[_Key] = set()

@@ -60,7 +60,7 @@ def expected_keys(blocks: dict[int, CachedBlock]) -> set[int]:
 
 async def indexed_keys(client: aioredis.Redis, index: RedisIndex, replica: str) -> set[int]:
     """Every block key whose Redis bucket lists ``replica``."""
-    rid = await index.rid(replica, NAMESPACE)
+    rid = await index.writer.rid(replica, NAMESPACE)
     nk = NamespaceKeys(NAMESPACE)
     held: set[int] = set()
     async for bucket in client.scan_iter(match=f"{nk.block_prefix}*", count=1000):

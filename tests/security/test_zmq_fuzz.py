@@ -38,8 +38,8 @@ from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import DecodeError
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
+from tracker.ingest.streams import ReplicaTarget
 from tracker.ingest.subscriber import Subscriber
-from tracker.ingest.targets import ReplicaTarget
 
 NS = Namespace("fuzz", BLOCK_SIZE)  # the golden payloads' block size, not a shared shape
 SEED = int(os.environ.get("KVROUTER_FUZZ_SEED", "20240611"))
@@ -154,7 +154,7 @@ async def _assert_same_index(redis_url: str, reference: MemoryIndex, replicas: l
         table = reference._blocks.get(NS, {})
         for replica in replicas:
             expected = reference._ledgers.get((replica, NS))
-            restored = await fresh._ledger(replica, NS)  # rebuilt from Redis' engine map
+            restored = await fresh.writer.ledger(replica, NS)  # rebuilt from Redis' engine map
             engine = {h: (b.key, *b.counts()) for h, b in restored.engine.items()}
             wanted = expected.engine if expected is not None else {}
             assert engine == {h: (b.key, *b.counts()) for h, b in wanted.items()}, replica
@@ -197,7 +197,9 @@ async def test_5k_messages_through_the_subscriber_into_redis(
         for _, frames in messages:
             await pub.send_multipart(frames)
         last = source.seqs[source.replicas[0]] - 1
-        await _wait(lambda: stream.last == last and stream.queue.empty(), 30, "last message")
+        await _wait(
+            lambda: stream.applier.last == last and stream.queue.empty(), 30, "last message"
+        )
         elapsed = time.perf_counter() - started
         assert subscriber.failure is None
     finally:
@@ -241,7 +243,7 @@ async def test_oversized_frames_on_the_bound_socket_are_refused(
 
         async def until_applied(seq: int) -> None:
             deadline = time.monotonic() + 10
-            while (stream := subscriber.get(replica)) is None or (stream.last or -1) < seq:
+            while (stream := subscriber.get(replica)) is None or (stream.applier.last or -1) < seq:
                 assert time.monotonic() < deadline, "no batch got through"
                 await pub.send_multipart(source.frame(source.valid()))
                 await asyncio.sleep(0.05)

@@ -117,14 +117,14 @@ async def test_a_master_failover_is_followed_and_reconciled(
     try:
         await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
         assert await index.restore_lost() == 0
-        before = await index.server_id()
+        before = await index.recovery.server_id()
         with sync_redis(cluster_url) as client:
             owner = client.get_node_from_key(schema.NamespaceKeys(LLAMA).seq).port
         replica = next(port for port in _ports(cluster) if _info(port).get("master_port") == owner)
         await _promote(replica)  # the partition's master moves to its replica
         # the client follows MOVED to the new master; the tracker sees a new set of masters
         await index.apply("r1", LLAMA, batch(remove(SEQ, 3)), 2)
-        assert await index.server_id() != before
+        assert await index.recovery.server_id() != before
         await index.restore_lost()  # reconciles whatever the promoted replica had not got
         assert await matches(index, SEQ) == {"r1": (3, 3)}
         assert await index.last_seq("r1", LLAMA) == 2

@@ -151,7 +151,7 @@ async def test_sentinel_url_follows_a_failover_and_the_index_is_exact_after(
     try:
         await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
         assert await index.restore_lost() == 0
-        first = await index.server_id()
+        first = await index.recovery.server_id()
         sentinels.wait_replicated()
         old = sentinels.primary_port()
         assert old == sentinels.primary.port
@@ -162,7 +162,7 @@ async def test_sentinel_url_follows_a_failover_and_the_index_is_exact_after(
         )
         assert sentinels.wait_failover(old) == sentinels.replica.port
         assert took < 30
-        assert await index.server_id() != first
+        assert await index.recovery.server_id() != first
         await index.restore_lost()  # reconciles whatever the replica had not received
         assert await matches(index, SEQ) == {"r1": (3, 3)}
         assert await matches(index, OTHER) == {"r1": (4, 4)}

@@ -48,9 +48,9 @@ async def test_bucket_entries_hold_each_replicas_rid_and_tiers(
     first = block_keys(SEQ, LLAMA)[0]
     with redis.Redis.from_url(redis_url) as client:
         value = client.hget(nk.block_bucket(first), schema.field(first))
-    rids = {await index.rid(r, LLAMA): r for r in ("r1", "r2")}
+    rids = {await index.writer.rid(r, LLAMA): r for r in ("r1", "r2")}
     assert {rids[rid]: tiers for rid, tiers in schema.bucket_entries(value)} == {"r1": 0b11}
-    rid1 = await index.rid("r1", LLAMA)
+    rid1 = await index.writer.rid("r1", LLAMA)
     with redis.Redis.from_url(redis_url) as client:  # a value of another layout (12 bytes)
         client.hset(nk.engine_bucket(rid1, 7), schema.field(7), bytes(12))
     restarted = index_factory()
@@ -127,17 +127,17 @@ async def test_rid_is_reused_after_forget(index_factory: Any, redis_url: str) ->
     index = index_factory()
     await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
     await index.apply("r2", LLAMA, batch(store(OTHER)), 1)
-    rid1 = await index.rid("r1", LLAMA)
+    rid1 = await index.writer.rid("r1", LLAMA)
     assert await index.forget("r1", LLAMA) == 4
     assert await matches(index, SEQ) == {}
     assert await index.last_seq("r1", LLAMA) is None
     await index.apply("r3", LLAMA, batch(store(SEQ, range(2))), 1)
-    assert await index.rid("r3", LLAMA) == rid1
+    assert await index.writer.rid("r3", LLAMA) == rid1
     assert await matches(index, SEQ) == {"r3": (2, 2)}
     assert await matches(index, OTHER) == {"r2": (4, 4)}
     # The departed replica comes back under a new id, with an empty ledger.
     await index.apply("r1", LLAMA, batch(store(SEQ, range(1))), 5)
-    assert await index.rid("r1", LLAMA) not in (rid1, await index.rid("r2", LLAMA))
+    assert await index.writer.rid("r1", LLAMA) not in (rid1, await index.writer.rid("r2", LLAMA))
     assert await matches(index, SEQ) == {"r3": (2, 2), "r1": (1, 1)}
     # A restarted tracker restores exactly what each id holds now.
     restarted = index_factory()
@@ -151,10 +151,10 @@ async def test_predictions_never_land_on_the_new_owner_of_a_reused_rid(
 ) -> None:
     tracker, router = index_factory(), index_factory()
     await tracker.apply("r1", LLAMA, batch(store(SEQ, range(1))), 1)
-    stale = await router.rid("r1", LLAMA)  # the router caches r1's rid
+    stale = await router.writer.rid("r1", LLAMA)  # the router caches r1's rid
     await tracker.forget("r1", LLAMA)
     await tracker.apply("r2", LLAMA, batch(store(OTHER)), 1)
-    assert await tracker.rid("r2", LLAMA) == stale  # r2 now owns r1's old rid
+    assert await tracker.writer.rid("r2", LLAMA) == stale  # r2 now owns r1's old rid
     await router.predict(LLAMA, "r1", block_keys(SEQ, LLAMA), ttl_s=5)
     found = await router.lookup(LLAMA, block_keys(SEQ, LLAMA))
     assert {r: m.predicted_blocks for r, m in found.items()} == {"r1": 4}
@@ -163,11 +163,11 @@ async def test_predictions_never_land_on_the_new_owner_of_a_reused_rid(
 async def test_rids_are_per_namespace(index_factory: Any) -> None:
     index = index_factory()
     other = Namespace("mistral", 4)
-    assert await index.rid("a", LLAMA) == 1
-    assert await index.rid("b", LLAMA) == 2
-    assert await index.rid("b", other) == 1
-    assert await index.rid("a", LLAMA) == 1
-    assert await index_factory().rid("b", LLAMA) == 2
+    assert await index.writer.rid("a", LLAMA) == 1
+    assert await index.writer.rid("b", LLAMA) == 2
+    assert await index.writer.rid("b", other) == 1
+    assert await index.writer.rid("a", LLAMA) == 1
+    assert await index_factory().writer.rid("b", LLAMA) == 2
 
 
 # ------------------------------------------------------------------ memory

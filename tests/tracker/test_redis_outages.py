@@ -105,14 +105,14 @@ async def test_rid_taken_after_data_loss_is_reallocated(own_server: RedisServer)
     other = RedisIndex.from_url(own_server.url, timeout_s=0.5)
     try:
         await index.apply("r1", LLAMA, batch(store(SEQ)), 1)
-        old_rid = await index.rid("r1", LLAMA)
+        old_rid = await index.writer.rid("r1", LLAMA)
         own_server.stop()
         own_server.start()
         # Another tracker registers a new replica first and is handed r1's old id.
         await other.apply("r3", LLAMA, batch(store(OTHER)), 1)
-        assert await other.rid("r3", LLAMA) == old_rid
+        assert await other.writer.rid("r3", LLAMA) == old_rid
         await index.apply("r1", LLAMA, batch(store(SEQ, range(1))), 2)
-        assert await index.rid("r1", LLAMA) != old_rid
+        assert await index.writer.rid("r1", LLAMA) != old_rid
         assert await matches(index, SEQ) == {"r1": (4, 4)}
         assert await matches(index, OTHER) == {"r3": (4, 4)}
         assert await index.last_seq("r1", LLAMA) == 2

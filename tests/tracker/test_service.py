@@ -33,8 +33,8 @@ from tracker.core.blocks import Namespace
 from tracker.core.index import BlockIndex, ReplicaRecord
 from tracker.core.memory_index import MemoryIndex
 from tracker.core.redis_index import RedisIndex
-from tracker.ingest.service import TrackerService
-from tracker.ingest.targets import ReplicaTarget, static_targets
+from tracker.ingest.service import TrackerService, static_targets
+from tracker.ingest.streams import ReplicaTarget
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ async def make_service() -> AsyncIterator[Callable[..., Any]]:
 
 def _blocks(service: TrackerService, replica: str) -> int | None:
     stream = service.subscriber.get(replica)
-    return None if stream is None else stream.blocks
+    return None if stream is None else stream.applier.blocks
 
 
 async def _empty(placements: Awaitable[dict[str, int]]) -> bool:
@@ -105,7 +105,7 @@ async def test_metrics_and_health_endpoints(make_service: Any, publisher: EventP
     await publisher.publish(block_a())
     stream = service.subscriber.get("r1")
     assert stream is not None
-    await wait_until(lambda: stream.last == 0)
+    await wait_until(lambda: stream.applier.last == 0)
 
     base = f"http://127.0.0.1:{service.http_port}"
     async with httpx.AsyncClient(base_url=base) as client:

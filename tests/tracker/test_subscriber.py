@@ -36,7 +36,7 @@ async def test_in_order_batches_are_applied(make_tracker: Any, make_publisher: A
     await pub.publish(removed(B_HASH))
     await pub.publish(block_c())  # parent B was removed: an orphan
     await pub.publish(AllBlocksCleared(), root("E"))
-    await wait_until(lambda: stream.last == 4, what="seq 4 applied")
+    await wait_until(lambda: stream.applier.last == 4, what="seq 4 applied")
 
     assert await held(tracker.index, A_TOKENS) == {}
     assert await held(tracker.index, ROOTS["E"][0]) == {"r1": 1}
@@ -68,7 +68,7 @@ async def test_lookahead_hashing_is_indexed_and_shown(
         stored(A_TOKENS, A_HASHES), lookahead_token_ids=[A_TOKENS[4:6], [50, 51]]
     )
     await pub.publish(event)
-    await wait_until(lambda: stream.last == 0, what="seq 0 applied")
+    await wait_until(lambda: stream.applier.last == 0, what="seq 0 applied")
     prompt = [*A_TOKENS, 50, 51]
     matches = await tracker.index.lookup(SMALL, block_keys(prompt, SMALL, lookahead=2))
     assert {r: m.blocks for r, m in matches.items()} == {"r1": 2}
@@ -91,7 +91,7 @@ async def test_malformed_input_is_counted_and_skipped(
     await pub.publish_payload(msgspec.msgpack.encode([1.0]))  # not an EventBatch
     await pub.publish_payload(msgspec.msgpack.encode([1.0, [["BlockStored", [1]]], 0]))
     await pub.publish(root("D"))
-    await wait_until(lambda: stream.last == 4, what="seq 4 applied")
+    await wait_until(lambda: stream.applier.last == 4, what="seq 4 applied")
 
     assert await held(tracker.index, A_TOKENS) == {"r1": 2}
     assert await held(tracker.index, ROOTS["D"][0]) == {"r1": 1}
@@ -123,7 +123,7 @@ async def test_bind_mode_accepts_connecting_publishers(
     await wait_until(lambda: len(tracker.subscriber.status()) == 2)
     r1, r2 = tracker.subscriber.get("r1"), tracker.subscriber.get("r2")
     assert r1 is not None and r2 is not None
-    await wait_until(lambda: r1.last == 0 and r2.last == 1)
+    await wait_until(lambda: r1.applier.last == 0 and r2.applier.last == 1)
 
     assert await held(tracker.index, A_TOKENS) == {"r1": 2}
     assert await held(tracker.index, A_TOKENS, Namespace("other", 4)) == {"r2": 2}

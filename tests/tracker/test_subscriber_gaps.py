@@ -28,7 +28,7 @@ async def test_gap_is_replayed(make_tracker: Any, make_publisher: Any, layout: s
     await pub.publish(block_a())
     await pub.publish(block_b(), live=False)  # lost on the live stream, still buffered
     await pub.publish(block_c())
-    await wait_until(lambda: stream.last == 2, what="seq 2 applied")
+    await wait_until(lambda: stream.applier.last == 2, what="seq 2 applied")
 
     assert await held(tracker.index, A_TOKENS + B_TOKENS + C_TOKENS) == {"r1": 4}
     assert pub.replay_requests == [0, 1]  # catch-up at start, then the gap
@@ -46,11 +46,11 @@ async def test_gap_beyond_the_replay_buffer_clears(make_tracker: Any, make_publi
     pub = await make_publisher(buffer=2)
     stream = await tracker.track("r1", pub)
     await pub.publish(block_a())
-    await wait_until(lambda: stream.last == 0)
+    await wait_until(lambda: stream.applier.last == 0)
     await pub.publish(root("D"), live=False)  # falls out of the 2-batch buffer
     await pub.publish(root("E"), live=False)
     await pub.publish(root("F"))
-    await wait_until(lambda: stream.last == 3, what="seq 3 applied")
+    await wait_until(lambda: stream.applier.last == 3, what="seq 3 applied")
 
     assert await held(tracker.index, A_TOKENS) == {}  # cleared: state before the gap is unknown
     assert await held(tracker.index, ROOTS["D"][0]) == {}
@@ -67,7 +67,7 @@ async def test_gap_without_replay_endpoint_clears(make_tracker: Any, make_publis
     await pub.publish(block_a())
     await pub.publish(root("D"), live=False)
     await pub.publish(root("E"))
-    await wait_until(lambda: stream.last == 2)
+    await wait_until(lambda: stream.applier.last == 2)
 
     assert await held(tracker.index, A_TOKENS) == {}
     assert await held(tracker.index, ROOTS["E"][0]) == {"r1": 1}
@@ -84,7 +84,7 @@ async def test_sequence_reset_fences_old_blocks(
     stream = await tracker.track("r1", pub)
     await pub.publish(block_a())
     await pub.publish(block_b())
-    await wait_until(lambda: stream.last == 1)
+    await wait_until(lambda: stream.applier.last == 1)
     assert await held(tracker.index, A_TOKENS + B_TOKENS) == {"r1": 3}
 
     await pub.restart()  # the engine restarts: seq starts over, other blocks
@@ -95,7 +95,7 @@ async def test_sequence_reset_fences_old_blocks(
     await wait_until(
         lambda: (
             tracker.value("kvrouter_tracker_resets_total", cause="seq_reset") == 1
-            and stream.last == pub.seq - 1
+            and stream.applier.last == pub.seq - 1
         )
     )
 
@@ -117,11 +117,11 @@ async def test_orphans_trigger_a_resync(make_tracker: Any, make_publisher: Any) 
     await wait_until(
         lambda: tracker.value("kvrouter_tracker_resets_total", cause="orphan_resync") == 1
     )
-    await wait_until(lambda: stream.last == 2)
+    await wait_until(lambda: stream.applier.last == 2)
 
     assert await held(tracker.index, A_TOKENS + B_TOKENS + C_TOKENS) == {"r1": 4}
     assert pub.replay_requests == [0, 1, 0]
     assert tracker.value("kvrouter_tracker_replays_total", outcome="timeout") == 1
     assert tracker.value("kvrouter_tracker_resets_total", cause="unrecoverable_gap") == 1
     assert tracker.value("kvrouter_tracker_orphan_blocks_total") == 1
-    assert not stream.resync_blocked
+    assert not stream.applier.resync_blocked

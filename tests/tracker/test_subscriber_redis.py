@@ -31,7 +31,7 @@ async def test_restarted_tracker_catches_up_from_redis_checkpoint(
         stream = await first.track("r1", pub)
         await pub.publish(block_a())
         await pub.publish(block_b())
-        await wait_until(lambda: stream.last == 1)
+        await wait_until(lambda: stream.applier.last == 1)
         await first.subscriber.stop(2.0)
     finally:
         await first_index.close()
@@ -44,7 +44,7 @@ async def test_restarted_tracker_catches_up_from_redis_checkpoint(
         assert await index.last_seq("r1", SMALL) == 1
         second = await make_tracker(index)
         stream = await second.track("r1", pub)  # catches up without any live message
-        assert stream.last == 3
+        assert stream.applier.last == 3
         assert await held(index, A_TOKENS + B_TOKENS + C_TOKENS) == {"r1": 4}
         assert await held(index, ROOTS["D"][0]) == {"r1": 1}
         assert pub.replay_requests[-1] == 2
@@ -52,7 +52,7 @@ async def test_restarted_tracker_catches_up_from_redis_checkpoint(
         assert second.value("kvrouter_tracker_resets_total", cause="seq_reset") == 0
 
         await pub.publish(root("E"))  # and the live stream continues from there
-        await wait_until(lambda: stream.last == 4)
+        await wait_until(lambda: stream.applier.last == 4)
         assert await index.last_seq("r1", SMALL) == 4
     finally:
         await second.subscriber.stop(2.0)
@@ -69,12 +69,12 @@ async def test_redis_outage_keeps_events_pending(
         pub = await make_publisher(replay=False)
         stream = await tracker.track("r1", pub)
         await pub.publish(block_a())
-        await wait_until(lambda: stream.last == 0)
+        await wait_until(lambda: stream.applier.last == 0)
 
         server.stop()
         await pub.publish(block_b())
         await pub.publish(root("D"))
-        await wait_until(lambda: stream.last == 2, what="stream keeps going")
+        await wait_until(lambda: stream.applier.last == 2, what="stream keeps going")
         assert tracker.value("kvrouter_tracker_index_write_failures_total", op="apply") >= 1
         assert tracker.subscriber.index_down
 

@@ -27,11 +27,11 @@ async def test_a_silent_live_stream_is_noticed_and_polled(
     pub = await make_publisher()
     stream = await tracker.track("r1", pub)
     await pub.publish(block_a())
-    await wait_until(lambda: stream.last == 0, what="live seq 0")
+    await wait_until(lambda: stream.applier.last == 0, what="live seq 0")
     assert not stream.silent
     await pub.publish(block_b(), live=False)
     await pub.publish(block_c(), live=False)
-    await wait_until(lambda: stream.last == 2, what="replay polled")
+    await wait_until(lambda: stream.applier.last == 2, what="replay polled")
     assert stream.silent
     assert stream.status()["live_silent"] is True
     assert await held(tracker.index, A_TOKENS + B_TOKENS + C_TOKENS) == {"r1": 4}
@@ -40,10 +40,10 @@ async def test_a_silent_live_stream_is_noticed_and_polled(
     assert tracker.value("kvrouter_tracker_gaps_total", replica="r1") == 0
     # while silent, replay is polled every second: the index lags by that much at most
     await pub.publish(root("D"), live=False)
-    await wait_until(lambda: stream.last == 3, timeout_s=3.0, what="polled while silent")
+    await wait_until(lambda: stream.applier.last == 3, timeout_s=3.0, what="polled while silent")
     # live events come back
     await pub.publish(root("E"))
-    await wait_until(lambda: stream.last == 4, what="live again")
+    await wait_until(lambda: stream.applier.last == 4, what="live again")
     assert not stream.silent
     assert tracker.value("kvrouter_tracker_replica_live_silent", replica="r1") == 0
     assert await held(tracker.index, ROOTS["D"][0]) == {"r1": 1}
@@ -54,7 +54,7 @@ async def test_an_idle_engine_is_not_silent(make_tracker: Any, make_publisher: A
     pub = await make_publisher()
     stream = await tracker.track("r1", pub)
     await pub.publish(block_a())
-    await wait_until(lambda: stream.last == 0, what="live seq 0")
+    await wait_until(lambda: stream.applier.last == 0, what="live seq 0")
     polls = len(pub.replay_requests)
     await wait_until(lambda: len(pub.replay_requests) >= polls + 2, what="two idle polls")
     assert pub.replay_requests[-1] == 1  # it asks for what follows the last applied batch
@@ -71,7 +71,7 @@ async def test_a_replica_nothing_answers_for_loses_its_placements_until_it_answe
     pub = await make_publisher()
     stream = await tracker.track("r1", pub)
     await pub.publish(block_a())
-    await wait_until(lambda: stream.last == 0, what="live seq 0")
+    await wait_until(lambda: stream.applier.last == 0, what="live seq 0")
     # an idle engine that answers its replay keeps its placements however long it is quiet
     await wait_until(lambda: len(pub.replay_requests) >= 6, what="idle polls")
     assert await held(tracker.index, A_TOKENS) == {"r1": 2} and not stream.unverified

@@ -15,9 +15,8 @@ from tracker.core.blocks import Namespace, block_keys
 from tracker.core.index import BlockIndex
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
-from tracker.ingest.streams import ReplicaStream
+from tracker.ingest.streams import ReplicaStream, ReplicaTarget
 from tracker.ingest.subscriber import Subscriber
-from tracker.ingest.targets import ReplicaTarget
 
 ANY = "tcp://127.0.0.1:*"
 

@@ -1,20 +1,8 @@
 """kvrouter's own chained 64-bit block keys, computed from token ids; pure and fast.
 
-vLLM's event hashes depend on ``PYTHONHASHSEED``, the hash algorithm and the release, so the
-index never relies on them. Instead, for block ``i`` of a token sequence::
-
-    key_0 = XXH3_64(tokens[0:B] as uint32 LE [+ msgpack(extra_0)], seed=namespace_seed)
-    key_i = XXH3_64(tokens[iB:(i+1)B] as uint32 LE [+ msgpack(extra_i)], seed=key_{i-1})
-
-where ``namespace_seed = XXH3_64(msgpack(["kvrouter-blocks", 1, model, lora_name, B]))``.
-The token bytes have a fixed length (``4 * B``), so appending the extra keys is unambiguous.
-The tracker computes the chain from ``BlockStored.token_ids``; the router computes the same
-chain from a request's tokens. Only full blocks get keys, as in vLLM.
-
-Lookahead hashing (vLLM 0.33 with EAGLE-style drafting: ``BlockStored.lookahead_token_ids``)
-folds the ``L`` tokens after each block into its hash, so a block only hits for a request
-whose tokens go on the same way. Then block ``i`` hashes ``tokens[iB:(i+1)B + L]`` (still a
-fixed length, ``4 * (B + L)``), and only blocks followed by ``L`` tokens get keys.
+The tracker computes the chain from ``BlockStored.token_ids``, the router the same chain from
+a request's tokens, so the index never relies on vLLM's hashes (which depend on
+``PYTHONHASHSEED``, the hash algorithm and the release). The chain: :func:`block_keys`.
 """
 
 from __future__ import annotations
@@ -106,6 +94,19 @@ def block_keys(
 ) -> list[int]:
     """Keys of every full block of ``tokens``, chained from ``parent`` (or the namespace root).
 
+    For block ``i`` of a token sequence::
+
+        key_0 = XXH3_64(tokens[0:B] as uint32 LE [+ msgpack(extra_0)], seed=namespace_seed)
+        key_i = XXH3_64(tokens[iB:(i+1)B] as uint32 LE [+ msgpack(extra_i)], seed=key_{i-1})
+
+    where ``namespace_seed = XXH3_64(msgpack(["kvrouter-blocks", 1, model, lora_name, B]))``.
+    The token bytes have a fixed length (``4 * B``), so appending the extra keys is
+    unambiguous. Only full blocks get keys, as in vLLM. Lookahead hashing (vLLM 0.33 with
+    EAGLE-style drafting: ``BlockStored.lookahead_token_ids``) folds the ``L`` tokens after
+    each block into its hash, so a block only hits for a request whose tokens go on the same
+    way: block ``i`` hashes ``tokens[iB:(i+1)B + L]`` (still a fixed length,
+    ``4 * (B + L)``), and only blocks followed by ``L`` tokens get keys.
+
     Args:
         tokens: token ids, or their :func:`token_bytes` form (cheaper when already packed).
         namespace: model / LoRA / block size the keys belong to.
@@ -113,7 +114,7 @@ def block_keys(
         extra_keys: one entry per block (``None`` or a tuple of extra hash inputs, e.g. a
             ``cache_salt`` on the first block), as in vLLM's ``BlockStored.extra_keys``.
         limit: hash at most this many blocks.
-        lookahead: tokens after each block that its key covers (module docstring); a block
+        lookahead: tokens after each block that its key covers (above); a block
             without that many tokens after it gets no key.
     """
     data = tokens if isinstance(tokens, bytes) else token_bytes(tokens)

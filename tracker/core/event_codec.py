@@ -1,13 +1,5 @@
 """Msgpack codec of :class:`~tracker.core.events.EventBatch` payloads for every wire era.
 
-* the payload is msgpack of ``EventBatch`` = ``[ts, events, data_parallel_rank]`` (no rank
-  before vLLM v0.9.1);
-* each event is a tagged positional array (vLLM v0.9 - v0.23, SGLang) or a map with a
-  ``type`` key whose default-valued optional fields are omitted (vLLM v0.24+);
-* vLLM v0.26 adds ``locality``, ``ownership`` and ``session_id`` to ``BlockStored``
-  (``locality`` and ``ownership`` to ``BlockRemoved``), ``medium`` may be ``"STORAGE"``, and
-  each block's ``extra_keys`` start with the LoRA name; v0.33 adds ``lookahead_token_ids``.
-
 Decoding is version-agnostic and strict about types; encoding reproduces a chosen era's
 bytes exactly, so the simulated engine is indistinguishable from vLLM on the wire. Pure, no I/O.
 """
@@ -34,7 +26,17 @@ from tracker.framework.errors import DecodeError
 
 
 class WireEra(enum.Enum):
-    """Wire layouts, named by the first vLLM release that emits each one."""
+    """Wire layouts, named by the first vLLM release that emits each one.
+
+    * the payload is msgpack of ``EventBatch`` = ``[ts, events, data_parallel_rank]`` (no rank
+      before vLLM v0.9.1);
+    * each event is a tagged positional array (vLLM v0.9 - v0.23, SGLang) or a map with a
+      ``type`` key whose default-valued optional fields are omitted (vLLM v0.24+);
+    * vLLM v0.26 adds ``locality``, ``ownership`` and ``session_id`` to ``BlockStored``
+      (``locality`` and ``ownership`` to ``BlockRemoved``), ``medium`` may be ``"STORAGE"``,
+      and each block's ``extra_keys`` start with the LoRA name; v0.33 adds
+      ``lookahead_token_ids``.
+    """
 
     V0_9_0 = "v0.9.0"
     V0_9_1 = "v0.9.1"

@@ -1,65 +1,9 @@
 """The whole Redis key schema, prefixed and versioned; nothing else builds Redis keys.
 
 Every key of one index partition (model + block size) carries the same hash tag
-``{<nsid>}``, so multi-key scripts stay in one Redis Cluster slot. Partition keys carry
-their own layout version (``Q`` = ``kvr:v2``: a block's tiers took 4 bits in v2, 2 in v1),
-global keys theirs (``P`` = ``kvr:v1``), so a tracker or router of another layout finds an
-empty partition (load-only routing) instead of misreading one, while the replicas'
-registrations, which did not change, stay readable to both. Layout (``T`` = ``{nsid}``):
-
-==============================  =====  ===================================================
-key                             type   content
-==============================  =====  ===================================================
-``Q:T:b:<bucket hex4>``         HASH   field: block key (8 bytes BE) -> value: 2 bytes per
-                                       replica holding it, ``rid << 4 | tiers`` (bits: GPU,
-                                       CPU, storage, remote; ``tracker.core.ledger.Tier``)
-``Q:T:e:<rid>:<bucket>``       HASH   a replica's engine map: field: engine hash (8 bytes
-                                       BE) -> value: block key (8 B) + references per tier
-                                       (GPU, CPU, storage, remote: 2 B each)
-``Q:T:p:<bucket hex4>``         HASH   predictions (router): block key -> 8 bytes per
-                                       replica: rid (2 B) + expiry, Redis time ms (6 B)
-``Q:T:h:<bucket hex4>``         HASH   homes (router): anchor block key -> rid (2 B) + the
-                                       time it was routed there + its expiry, Redis time
-                                       ms (6 B each)
-``Q:T:rid``                     HASH   replica id -> short numeric rid (1..4095)
-``Q:T:rname``                   HASH   rid -> replica id
-``Q:T:ridseq``                  STRING last rid allocated
-``Q:T:ridfree``                 SET    rids released by departed replicas, reused first
-``Q:T:seq``                     HASH   replica id -> last applied event sequence number
-``Q:T:load``                    HASH   shared router load: ``replica NUL router id`` ->
-                                       ``<dddd`` in flight, queued tokens, expiry ms,
-                                       oldest prefilling request's send time ms;
-                                       ``NUL router id``: a reader's presence (zeros)
-``Q:T:routes``                  STREAM what routers with their own index routed
-                                       (``--local-index``): ``r`` router id, ``p``
-                                       replica, ``k`` predicted block keys and ``a`` home
-                                       anchors (``<Q`` each), ``t`` / ``h`` their
-                                       lifetimes in ms; capped at ``MAX_ROUTES`` entries
-``Q:T:stats``                   HASH   per replica, from its events: ``n:<replica>`` ->
-                                       GPU blocks held now, ``s:<replica>`` -> GPU blocks
-                                       stored ever (the router derives cache churn)
-``Q:T:lookahead``               HASH   replica id -> tokens after each block its engine
-                                       folds into the block's hash (vLLM 0.33; absent: 0)
-``Q:T:plive``                   STRING set while any prediction may be live (expires
-                                       with the longest); spares the tracker's writes
-                                       the prediction check when there are none
-``Q:T:fence:<election>``        STRING highest fencing number of a tracker of election
-                                       ``N`` that wrote the partition; APPLY refuses
-                                       lower ones of that election
-``P:namespaces``                HASH   nsid -> JSON {model, block_size}
-``P:{tracker:N}:lease``         STRING the tracker lease of election ``N``: ``<fencing
-                                       number> <tracker id>``, expiring unless renewed
-``P:{tracker:N}:fence``         STRING last fencing number handed out in election ``N``
-``P:{replicas}``                HASH   replica id -> JSON registry record
-``P:{replicas}:seen``           HASH   replica id -> last heartbeat (Redis server time, ms)
-==============================  =====  ===================================================
-
-The two registry hashes share the hash tag ``{replicas}``: the registry scripts and the
-deregistration transaction touch both.
-
-Buckets keep each Redis hash small enough for the compact listpack encoding, which is what
-keeps memory per (block, replica) low: blocks are spread over ``2**BLOCK_BUCKET_BITS``
-buckets by their key's top bits, engine hashes over ``ENGINE_BUCKETS`` buckets per replica.
+``{<nsid>}``, so multi-key scripts stay in one Redis Cluster slot. Partition keys (``kvr:v2``)
+and global keys (``kvr:v1``) carry their own layout version. Each key's type and content, and
+why blocks and engine maps are spread over buckets: docs/architecture.md, "Redis key schema".
 """
 
 from __future__ import annotations
@@ -82,6 +26,7 @@ MAX_ROUTES: Final = 4096
 MAX_RID: Final = (1 << (16 - TIER_BITS)) - 1
 ENGINE_VALUE_BYTES: Final = 8 + 2 * TIER_BITS
 
+# the registry's two hashes share a hash tag: its scripts and the deregistration touch both
 REPLICAS: Final = f"{PREFIX}:{{replicas}}"
 REPLICAS_SEEN: Final = f"{PREFIX}:{{replicas}}:seen"
 NAMESPACES: Final = f"{PREFIX}:namespaces"

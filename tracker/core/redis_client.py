@@ -1,29 +1,8 @@
-"""Redis clients from a URL: one server, or the primary that a Sentinel quorum names.
+"""Redis clients from a URL: one server, the primary that a Sentinel quorum names, or a cluster.
 
 Every part opens Redis here (through :meth:`tracker.core.redis_index.RedisIndex.from_url`), so a
 URL works the same for the tracker, the routers, the replicas' registration and
-``kvrouter lookup``:
-
-* ``redis://[[user]:password@]host[:port][/db]``, ``rediss://…`` (TLS), ``unix:///path``:
-  redis-py's own URL forms.
-* ``redis+sentinel://[[user]:password@]host[:port][,host[:port]…]/service[/db]`` (and
-  ``rediss+sentinel://`` for TLS to the servers): the Sentinels to ask (port 26379 by
-  default) and the name of the monitored primary. The user and password are the data
-  servers'; ``?sentinel_password=…`` authenticates to the Sentinels if they need it. The
-  client asks the Sentinels for the primary on every new connection, so after a failover
-  the next command (one retry, see :func:`retry`) reaches the promoted replica; a demoted
-  primary's ``READONLY`` answer also sends it back to the Sentinels.
-
-* ``redis+cluster://[[user]:password@]host[:port][,host[:port]…]`` (and ``rediss+cluster://``):
-  startup nodes of a Redis Cluster (port 6379 by default). redis-py's cluster client learns
-  the slot map from them, sends each command to the master of its key's slot and follows
-  ``MOVED`` and ``ASK``. Every script call of kvrouter's touches one partition, and every
-  partition is one slot, so partitions of different models spread over the masters.
-
-redis-py has no URL form for Sentinel; the scheme is the one Celery, Kombu and several Redis
-clients for other languages accept, with the service name as the path. Cluster URLs follow
-it (``redis://`` alone cannot say "cluster": a cluster node answers plain commands too, with
-``MOVED`` for every key it does not own).
+``kvrouter lookup`` (the URL forms: :func:`open_redis`).
 """
 
 from __future__ import annotations
@@ -181,7 +160,27 @@ class RedisConnection:
 
 
 def open_redis(url: str, *, timeout_s: float = 2.0) -> RedisConnection:
-    """A client for ``url`` (see the module docstring); connects on first use.
+    """A client for ``url``; connects on first use.
+
+    * ``redis://[[user]:password@]host[:port][/db]``, ``rediss://…`` (TLS), ``unix:///path``:
+      redis-py's own URL forms.
+    * ``redis+sentinel://[[user]:password@]host[:port][,host[:port]…]/service[/db]`` (and
+      ``rediss+sentinel://`` for TLS to the servers): the Sentinels to ask (port 26379 by
+      default) and the name of the monitored primary. The user and password are the data
+      servers'; ``?sentinel_password=…`` authenticates to the Sentinels if they need it. The
+      client asks the Sentinels for the primary on every new connection, so after a failover
+      the next command (one retry, see :func:`retry`) reaches the promoted replica; a demoted
+      primary's ``READONLY`` answer also sends it back to the Sentinels.
+    * ``redis+cluster://[[user]:password@]host[:port][,host[:port]…]`` (and ``rediss+cluster://``):
+      startup nodes of a Redis Cluster (port 6379 by default). redis-py's cluster client learns
+      the slot map from them, sends each command to the master of its key's slot and follows
+      ``MOVED`` and ``ASK``. Every script call of kvrouter's touches one partition, and every
+      partition is one slot, so partitions of different models spread over the masters.
+
+    redis-py has no URL form for Sentinel; the scheme is the one Celery, Kombu and several Redis
+    clients for other languages accept, with the service name as the path. Cluster URLs follow
+    it (``redis://`` alone cannot say "cluster": a cluster node answers plain commands too, with
+    ``MOVED`` for every key it does not own).
 
     :raises ConfigError: if the URL is malformed.
     """

@@ -1,10 +1,9 @@
-"""Redis-backed block index shared by every router and tracker; layout in :mod:`tracker.core.keys`.
+"""Redis-backed block index shared by every router and tracker; keys from :mod:`tracker.core.keys`.
 
-Reads: one ``EVALSHA`` of :data:`tracker.core.lua.LOOKUP` walks the chain server-side and stops
-at the first block no replica holds, so a lookup is one round trip whatever the chain length.
-The routers' writes (predictions, homes) and the replica registry are here too; the trackers'
-write path is in :mod:`tracker.core.redis_writes`, the upkeep of the server (recovery, fences,
-memory) in :mod:`tracker.core.redis_recovery`.
+:class:`RedisIndex` answers lookups (one ``EVALSHA`` of :data:`tracker.core.lua.LOOKUP` walks
+the whole chain server-side), takes the routers' writes and keeps the replica registry; it
+has a :class:`~tracker.core.redis_writes.RedisWriter` for the trackers' writes and a
+:class:`~tracker.core.redis_recovery.RedisRecovery` for the server's upkeep.
 """
 
 from __future__ import annotations
@@ -20,11 +19,21 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from tracker.core import keys as schema
-from tracker.core import lua, lua_router
+from tracker.core import lua
 from tracker.core.blocks import Namespace
-from tracker.core.index import LOAD_TTL_S, Home, Match, ReplicaRecord, Residency, Survey
-from tracker.core.redis_client import RedisConnection, open_redis
-from tracker.core.redis_recovery import RedisRecovery
+from tracker.core.events import EventBatch
+from tracker.core.index import (
+    LOAD_TTL_S,
+    ApplyResult,
+    Home,
+    Match,
+    ReplicaRecord,
+    Residency,
+    Survey,
+)
+from tracker.core.redis_client import RedisConnection, open_redis, redis_call
+from tracker.core.redis_recovery import RedisMemory, RedisRecovery
+from tracker.core.redis_writes import RedisWriter
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +47,7 @@ def _ms(seconds: float) -> int:
 
 
 def load_sums(reply: Sequence[Any]) -> dict[str, tuple[int, int, int]]:
-    """A load snapshot's reply (``tracker.core.lua_router`` ``load_snapshot``: replica, in
+    """A load snapshot's reply (``load_snapshot`` of :mod:`tracker.core.lua`: replica, in
     flight, queued tokens, age ms of the oldest still prefilling, ...) per replica; replica ""
     is another router's presence."""
     return {
@@ -60,15 +69,25 @@ def _chain(keys: Sequence[int]) -> bytes:
     return chain.tobytes()
 
 
-class RedisIndex(RedisRecovery):
-    """The shared index. Construct with :meth:`from_url` or around an existing client."""
+class RedisIndex:
+    """The shared index. Construct with :meth:`from_url` or around an existing client.
+
+    :param client: the Redis client, shared with its :attr:`writer` and :attr:`recovery`.
+    :param connection: what to close with the client (Sentinel clients); by default the
+        client alone.
+    """
 
     def __init__(self, client: redis.Redis, connection: RedisConnection | None = None) -> None:
-        super().__init__(client, connection)
+        self.client = client
+        self._connection = connection or RedisConnection(client)
+        self.writer = RedisWriter(client)
+        """The trackers' writes: ledgers, ``APPLY``, pending changes, replica ids."""
+        self.recovery = RedisRecovery(self.writer)
+        """The server's upkeep: what it lost written back, partition fences, memory."""
         self._lookup = client.register_script(lua.LOOKUP)
-        self._predict = client.register_script(lua_router.PREDICT)
-        self._claim = client.register_script(lua_router.CLAIM)
-        self._route = client.register_script(lua_router.ROUTE)
+        self._predict = client.register_script(lua.PREDICT)
+        self._claim = client.register_script(lua.CLAIM)
+        self._route = client.register_script(lua.ROUTE)
         self._heartbeat = client.register_script(lua.HEARTBEAT)
         self._registry = client.register_script(lua.REGISTRY)
 
@@ -78,6 +97,54 @@ class RedisIndex(RedisRecovery):
         Cluster (:func:`tracker.core.redis_client.open_redis`)."""
         connection = open_redis(url, timeout_s=timeout_s)
         return cls(connection.client, connection)
+
+    # ----------------------------------------------------------- the trackers' writes (writer)
+
+    async def apply(
+        self, replica: str, namespace: Namespace, batch: EventBatch, seq: int | None = None
+    ) -> ApplyResult:
+        return await self.writer.apply(replica, namespace, batch, seq)
+
+    async def clear(self, replica: str, namespace: Namespace) -> int:
+        return await self.writer.clear(replica, namespace)
+
+    async def forget(self, replica: str, namespace: Namespace) -> int:
+        """Clear a departed replica and release its short id for reuse."""
+        return await self.writer.forget(replica, namespace)
+
+    async def last_seq(self, replica: str, namespace: Namespace) -> int | None:
+        return await self.writer.last_seq(replica, namespace)
+
+    async def block_count(self, replica: str, namespace: Namespace) -> int:
+        return await self.writer.block_count(replica, namespace)
+
+    async def flush(self) -> int:
+        """Retry every pending write; returns how many replicas are still pending."""
+        return await self.writer.flush()
+
+    # ----------------------------------------------------------- the server's upkeep (recovery)
+
+    async def restore_lost(self) -> int:
+        """Write back every tracked replica that Redis lost or holds older; returns how many
+        (:meth:`tracker.core.redis_recovery.RedisRecovery.restore_lost`)."""
+        return await self.recovery.restore_lost()
+
+    async def claim_partitions(self, fence: int, election: str) -> int:
+        """Raise every known partition's fence of ``election`` to ``fence``; returns how many
+        (:meth:`tracker.core.redis_recovery.RedisRecovery.claim_partitions`).
+
+        :raises FencedError: if a tracker elected after this one already claimed one.
+        """
+        return await self.recovery.claim_partitions(fence, election)
+
+    async def memory(self) -> RedisMemory:
+        """Redis's eviction policy and memory use.
+
+        :raises IndexUnavailableError: if Redis does not answer.
+        """
+        return await self.recovery.memory()
+
+    # ----------------------------------------------------------- reads and the routers' writes
 
     async def lookup(self, namespace: Namespace, keys: Sequence[int]) -> dict[str, Match]:
         return (await self.survey(namespace, keys)).matches
@@ -90,7 +157,7 @@ class RedisIndex(RedisRecovery):
         load_except: str | None = None,
         load_ttl_s: float = LOAD_TTL_S,
     ) -> Survey:
-        nk = self.keys_for(namespace)
+        nk = self.writer.keys_for(namespace)
         # an empty chain still walks nothing and answers the residency
         if load_except is None:
             call = self._lookup(keys=[nk.rname], args=[nk.tag, _chain(keys)])
@@ -98,7 +165,7 @@ class RedisIndex(RedisRecovery):
             ttl_ms = max(1, round(load_ttl_s * 1000))  # as the load board rounds its own
             args: list[str | bytes | int] = [nk.tag, _chain(keys), load_except, ttl_ms]
             call = self._lookup(keys=[nk.rname, nk.load], args=args)
-        found, stats, homes, others, ahead = await self._call("lookup", call)
+        found, stats, homes, others, ahead = await redis_call("lookup", call)
         matches: dict[str, Match] = {}
         for i in range(0, len(found), 7):  # name, blocks, GPU, CPU, storage, remote, predicted
             name = found[i].decode()
@@ -119,16 +186,16 @@ class RedisIndex(RedisRecovery):
         return Survey(matches, residency, claims, load, lookahead)
 
     async def set_lookahead(self, replica: str, namespace: Namespace, tokens: int) -> None:
-        key = self.keys_for(namespace.base()).lookahead
+        key = self.writer.keys_for(namespace.base()).lookahead
         write = self.client.hset(key, replica, tokens) if tokens else self.client.hdel(key, replica)
-        await self._call("lookahead", write)
+        await redis_call("lookahead", write)
 
     async def claim(
         self, namespace: Namespace, replica: str, anchors: Sequence[int], ttl_s: float
     ) -> None:
         if not anchors:
             return
-        nk = self.keys_for(namespace)
+        nk = self.writer.keys_for(namespace)
         tag = nk.tag
         await self._as_replica(
             "claim",
@@ -154,7 +221,7 @@ class RedisIndex(RedisRecovery):
             await self.predict(namespace, replica, keys, ttl_s)
             await self.claim(namespace, replica, anchors, home_ttl_s)
             return
-        nk = self.keys_for(namespace)
+        nk = self.writer.keys_for(namespace)
         tag = nk.tag
         args: list[bytes | int] = [_ms(ttl_s), _chain(keys), _ms(home_ttl_s), _chain(anchors)]
         await self._as_replica(
@@ -170,7 +237,7 @@ class RedisIndex(RedisRecovery):
     ) -> None:
         if not keys:
             return
-        nk = self.keys_for(namespace)
+        nk = self.writer.keys_for(namespace)
         tag = nk.tag
         await self._as_replica(
             "predict",
@@ -187,7 +254,7 @@ class RedisIndex(RedisRecovery):
     ) -> list[str]:
         """On a cluster, the keys a routing write touches besides the rname hash: prediction
         buckets (and the live marker) of ``keys``, home buckets of ``anchors``."""
-        if not self._cluster:
+        if not self.writer.cluster:
             return []
         touched = {nk.prediction_bucket(key) for key in keys}
         if keys:
@@ -208,15 +275,17 @@ class RedisIndex(RedisRecovery):
         (Redis lost data, or the rid was released and reused): then allocate (or look up) the
         current one and try once more."""
         base = namespace.base()
-        rname = [self.keys_for(namespace).rname, *touched]
+        rname = [self.writer.keys_for(namespace).rname, *touched]
         for _ in range(2):
-            rid = await self.rid(replica, base)
-            if int(await self._call(what, script(rid, rname))) >= 0:
+            rid = await self.writer.rid(replica, base)
+            if int(await redis_call(what, script(rid, rname))) >= 0:
                 return
-            self._rids.pop((replica, base), None)
+            self.writer.drop_rid(replica, base)
+
+    # ----------------------------------------------------------- the replica registry
 
     async def register(self, record: ReplicaRecord) -> None:
-        await self._call(
+        await redis_call(
             "heartbeat",
             self._heartbeat(
                 keys=[schema.REPLICAS, schema.REPLICAS_SEEN],
@@ -225,7 +294,7 @@ class RedisIndex(RedisRecovery):
         )
 
     async def _registry_call(self, mode: str) -> list[ReplicaRecord]:
-        reply = await self._call(
+        reply = await redis_call(
             "registry", self._registry(keys=[schema.REPLICAS, schema.REPLICAS_SEEN], args=[mode])
         )
         records = []
@@ -245,7 +314,7 @@ class RedisIndex(RedisRecovery):
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hdel(schema.REPLICAS, replica)
             pipe.hdel(schema.REPLICAS_SEEN, replica)
-            await self._call("deregister", pipe.execute())
+            await redis_call("deregister", pipe.execute())
 
     async def reap(self) -> list[ReplicaRecord]:
         return await self._registry_call("reap")

@@ -1,9 +1,8 @@
-"""The shared index's upkeep: the server answering, what it lost written back, its memory.
+"""The shared index's upkeep: what Redis lost written back, partition fences, its memory.
 
 A tracker notices a different server answering (a restart, a failover) and writes back, from
-its ledgers, whatever Redis lost or holds older (:meth:`RedisRecovery.restore_lost`); an
-elected tracker claims the partitions it writes (fences); the tracker service watches Redis's
-memory and eviction policy (:meth:`RedisRecovery.memory`).
+its ledgers, whatever Redis lost or holds older; an elected tracker claims the partitions it
+writes; the tracker service watches Redis's memory and eviction policy.
 """
 
 from __future__ import annotations
@@ -13,14 +12,13 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
-import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 
 from tracker.core import keys as schema
-from tracker.core import lua_lease
+from tracker.core import lua
 from tracker.core.blocks import Namespace
 from tracker.core.ledger import LedgerChanges, ReplicaLedger
-from tracker.core.redis_client import RedisConnection
+from tracker.core.redis_client import redis_call
 from tracker.core.redis_writes import RedisWriter
 from tracker.framework.errors import FencedError
 
@@ -51,16 +49,20 @@ class RedisMemory:
         return self.policy in EVICTING_POLICIES
 
 
-class RedisRecovery(RedisWriter):
-    """:class:`RedisWriter` with the upkeep of the server: recovery, fences and memory.
+class RedisRecovery:
+    """The upkeep of the server the index lives on: what it lost written back from the
+    writer's ledgers, the election's partition fences, and its memory.
 
-    The base of :class:`tracker.core.redis_index.RedisIndex`.
+    :class:`tracker.core.redis_index.RedisIndex` builds one around its writer.
+
+    :param writer: the index's writer (its client, key names, ledgers and fence).
     """
 
-    def __init__(self, client: redis.Redis, connection: RedisConnection | None = None) -> None:
-        super().__init__(client, connection)
+    def __init__(self, writer: RedisWriter) -> None:
+        self.writer = writer
+        self.client = writer.client
         self._server: str | None = None  # run_id of the server the ledgers were last written to
-        self._raise_fence = client.register_script(lua_lease.FENCE_RAISE)
+        self._raise_fence = writer.client.register_script(lua.FENCE_RAISE)
 
     async def restore_lost(self) -> int:
         """Write back the state of every tracked replica that Redis lost or holds older.
@@ -83,26 +85,27 @@ class RedisRecovery(RedisWriter):
             logger.warning(
                 "a different redis server answers (restart or failover): "
                 "reconciling every replica with its ledger",
-                extra={"run_id": server, "replicas": len(self._ledgers)},
+                extra={"run_id": server, "replicas": len(self.writer.ledgers)},
             )
             written = 0
-            for replica, namespace in list(self._ledgers):
+            for replica, namespace in list(self.writer.ledgers):
                 written += await self._reconcile(replica, namespace)
             self._server = server
             return written
         self._server = server
-        tracked = list(self._ledgers)
+        tracked = list(self.writer.ledgers)
         if not tracked:
             return 0
         async with self.client.pipeline(transaction=False) as pipe:
             for replica, namespace in tracked:
-                pipe.hget(self.keys_for(namespace).rid, replica)
-            found = await self._call("verify", pipe.execute())
+                pipe.hget(self.writer.keys_for(namespace).rid, replica)
+            found = await redis_call("verify", pipe.execute())
         lost = [key for key, rid in zip(tracked, found, strict=True) if rid is None]
         for key in lost:
-            if key in self._ledgers and key not in self._pending:  # else a flush is due anyway
-                # an empty write restores the id; APPLY says so and the state follows
-                await self._commit(*key, LedgerChanges(), self._seqs.get(key, ""))
+            if key in self.writer.ledgers and not self.writer.has_pending(*key):
+                # (else a flush is due anyway) an empty write restores the id; APPLY says so
+                # and the state follows
+                await self.writer.rewrite(*key, LedgerChanges())
         return len(lost)
 
     async def claim_partitions(self, fence: int, election: str) -> int:
@@ -113,16 +116,16 @@ class RedisRecovery(RedisWriter):
 
         :raises FencedError: if a tracker elected after this one already claimed one.
         """
-        self.fence, self.election = fence, election
-        nsids = await self._call("namespaces", self.client.hgetall(schema.NAMESPACES))
+        self.writer.fence, self.writer.election = fence, election
+        nsids = await redis_call("namespaces", self.client.hgetall(schema.NAMESPACES))
         for raw in nsids.values():
             meta = msgspec.json.decode(raw)
             namespace = Namespace(str(meta["model"]), int(meta["block_size"]))
             newest = int(
-                await self._call(
+                await redis_call(
                     "fence",
                     self._raise_fence(
-                        keys=[self.keys_for(namespace).fence(election)], args=[fence]
+                        keys=[self.writer.keys_for(namespace).fence(election)], args=[fence]
                     ),
                 )
             )
@@ -147,12 +150,11 @@ class RedisRecovery(RedisWriter):
         is all that must be written (placements Redis holds that the ledger does not are
         removed, as in a clear).
         """
-        key = (replica, namespace)
-        ledger = self._ledgers[key]
+        ledger = self.writer.ledgers[(replica, namespace)]
         theirs = ReplicaLedger(replica, namespace)
-        rid = self._rids.get(key)
+        rid = self.writer.known_rid(replica, namespace)
         if rid is not None:
-            theirs.load(await self._engine_map(rid, namespace))
+            theirs.load(await self.writer.engine_map(rid, namespace))
         changes = LedgerChanges()
         held = dict(theirs.placements())
         for block, tiers in ledger.placements():
@@ -174,7 +176,7 @@ class RedisRecovery(RedisWriter):
                 "engine_blocks": len(changes.engine),
             },
         )
-        await self._commit(replica, namespace, changes, self._seqs.get(key, ""))
+        await self.writer.rewrite(replica, namespace, changes)
         return 1
 
     async def memory(self) -> RedisMemory:
@@ -195,8 +197,8 @@ class RedisRecovery(RedisWriter):
     async def _infos(self, section: str) -> list[dict[str, Any]]:
         """``INFO section`` of the server, or of every master of a cluster."""
         if isinstance(self.client, RedisCluster):
-            nodes = await self._call(
+            nodes = await redis_call(
                 f"info {section}", self.client.info(section, target_nodes=RedisCluster.PRIMARIES)
             )
             return [nodes[name] for name in sorted(nodes)]
-        return [await self._call(f"info {section}", self.client.info(section))]
+        return [await redis_call(f"info {section}", self.client.info(section))]

@@ -2,11 +2,9 @@
 
 Each batch becomes one ``EVALSHA`` of :data:`tracker.core.lua.APPLY` (idempotent
 placements, engine-map updates and the sequence checkpoint, atomically). A tracker owns the
-:class:`~tracker.core.ledger.ReplicaLedger` of the replicas it consumes; the ledger is rebuilt
-from the persisted engine map after a restart. When Redis is unreachable the ledger keeps
-absorbing events and their effect is kept as pending changes, flushed (they are idempotent)
-as soon as Redis answers again. :class:`tracker.core.redis_index.RedisIndex` builds on
-:class:`RedisWriter`.
+:class:`~tracker.core.ledger.ReplicaLedger` of the replicas it consumes, rebuilt from the
+persisted engine map after a restart; while Redis is unreachable the changes stay pending,
+flushed as soon as it answers again.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from tracker.core.blocks import Namespace
 from tracker.core.events import EventBatch
 from tracker.core.index import ApplyResult
 from tracker.core.ledger import EngineBlock, LedgerChanges, ReplicaLedger
-from tracker.core.redis_client import RedisConnection, redis_call
+from tracker.core.redis_client import redis_call
 from tracker.framework.errors import FencedError, IndexUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -79,17 +77,18 @@ class _Pending:
 
 
 class RedisWriter:
-    """Each replica's ledger and the writes that keep Redis holding what it says, and the
-    replicas' short ids (rids) every write names.
+    """The trackers' side of the shared index: each replica's ledger, the writes that keep
+    Redis holding what it says, and the replicas' short ids (rids) every write names.
 
-    The base of :class:`tracker.core.redis_index.RedisIndex`: the trackers' side of the index.
+    :class:`tracker.core.redis_index.RedisIndex` builds one around its client.
+
+    :param client: the index's Redis client.
     """
 
-    def __init__(self, client: redis.Redis, connection: RedisConnection | None = None) -> None:
+    def __init__(self, client: redis.Redis) -> None:
         self.client = client
         # on a cluster every key a writing script touches is declared (_touched_by_*)
-        self._cluster = isinstance(client, RedisCluster)
-        self._connection = connection or RedisConnection(client)
+        self.cluster = isinstance(client, RedisCluster)
         self.fence = 0  # fencing number of the elected tracker writing through this (0: none)
         self.election = ""  # ... and its election
         self._apply = client.register_script(lua.APPLY)
@@ -97,19 +96,19 @@ class RedisWriter:
         self._release_rid = client.register_script(lua.RELEASE_RID)
         self._keys: dict[Namespace, schema.NamespaceKeys] = {}
         self._rids: dict[tuple[str, Namespace], int] = {}
-        self._ledgers: dict[tuple[str, Namespace], ReplicaLedger] = {}
+        self.ledgers: dict[tuple[str, Namespace], ReplicaLedger] = {}
+        """The ledger of every replica written through this, by (replica, base namespace)."""
         self._pending: dict[tuple[str, Namespace], _Pending] = {}
         self._locks: dict[tuple[str, Namespace], asyncio.Lock] = {}
         self._seqs: dict[tuple[str, Namespace], str] = {}  # last checkpoint sent, per replica
 
     def keys_for(self, namespace: Namespace) -> schema.NamespaceKeys:
+        """The key names of ``namespace``'s partition."""
         base = namespace.base()
         nk = self._keys.get(base)
         if nk is None:
             nk = self._keys[base] = schema.NamespaceKeys(base)
         return nk
-
-    _call = staticmethod(redis_call)
 
     async def rid(self, replica: str, namespace: Namespace) -> int:
         """The replica's short numeric id in ``namespace``, allocated on first use."""
@@ -117,7 +116,7 @@ class RedisWriter:
         rid = self._rids.get((replica, base))
         if rid is None:
             nk = self.keys_for(base)
-            rid, created = await self._call(
+            rid, created = await redis_call(
                 "rid",
                 self._rid_script(
                     keys=[nk.rid, nk.rname, nk.ridseq, nk.ridfree],
@@ -127,8 +126,8 @@ class RedisWriter:
             rid = int(rid)
             if created:
                 # A new id has no persisted engine map: nothing to restore.
-                self._ledgers.setdefault((replica, base), ReplicaLedger(replica, base))
-            await self._call(
+                self.ledgers.setdefault((replica, base), ReplicaLedger(replica, base))
+            await redis_call(
                 "namespace",
                 self.client.hset(
                     schema.NAMESPACES,
@@ -139,19 +138,29 @@ class RedisWriter:
             self._rids[(replica, base)] = rid
         return rid
 
-    async def _ledger(self, replica: str, namespace: Namespace) -> ReplicaLedger:
+    def known_rid(self, replica: str, namespace: Namespace) -> int | None:
+        """The replica's rid, if this writer knows it (allocates nothing)."""
+        return self._rids.get((replica, namespace.base()))
+
+    def drop_rid(self, replica: str, namespace: Namespace) -> None:
+        """Forget the replica's rid: Redis lost it, or it names another replica now; the next
+        :meth:`rid` looks it up (or allocates it) again."""
+        self._rids.pop((replica, namespace.base()), None)
+
+    async def ledger(self, replica: str, namespace: Namespace) -> ReplicaLedger:
+        """The replica's ledger, rebuilt from the engine map Redis holds on first use."""
         base = namespace.base()
-        ledger = self._ledgers.get((replica, base))
+        ledger = self.ledgers.get((replica, base))
         if ledger is not None:
             return ledger
         rid = await self.rid(replica, base)
-        ledger = self._ledgers.get((replica, base))
+        ledger = self.ledgers.get((replica, base))
         if ledger is not None:  # freshly allocated id
             return ledger
-        entries = await self._engine_map(rid, base)
+        entries = await self.engine_map(rid, base)
         ledger = ReplicaLedger(replica, base)
         ledger.load(entries)
-        self._ledgers[(replica, base)] = ledger
+        self.ledgers[(replica, base)] = ledger
         if entries:
             logger.info(
                 "replica ledger restored from redis",
@@ -159,7 +168,7 @@ class RedisWriter:
             )
         return ledger
 
-    async def _engine_map(self, rid: int, namespace: Namespace) -> list[tuple[int, EngineBlock]]:
+    async def engine_map(self, rid: int, namespace: Namespace) -> list[tuple[int, EngineBlock]]:
         """The engine map Redis holds for replica id ``rid``."""
         buckets = self.keys_for(namespace).engine_buckets(rid)
         entries: list[tuple[int, EngineBlock]] = []
@@ -168,7 +177,7 @@ class RedisWriter:
             async with self.client.pipeline(transaction=False) as pipe:
                 for bucket in buckets[start : start + 128]:
                     pipe.hgetall(bucket)
-                mappings = await self._call("load", pipe.execute())
+                mappings = await redis_call("load", pipe.execute())
             for mapping in mappings:
                 for f, v in mapping.items():
                     if len(v) == schema.ENGINE_VALUE_BYTES:
@@ -220,7 +229,7 @@ class RedisWriter:
             window = slice(call * OPS_PER_CALL, (call + 1) * OPS_PER_CALL)
             touched = (
                 _touched_by_apply(nk, rid, placements[window], engine[window])
-                if self._cluster
+                if self.cluster
                 else []
             )
             declared.append(keys + touched)
@@ -239,11 +248,11 @@ class RedisWriter:
                 ]
             )
         if len(batches) == 1:
-            return [await self._call("apply", self._apply(keys=declared[0], args=batches[0]))]
+            return [await redis_call("apply", self._apply(keys=declared[0], args=batches[0]))]
         async with self.client.pipeline(transaction=True) as pipe:
             for call_keys, args in zip(declared, batches, strict=True):
                 await self._apply(keys=call_keys, args=args, client=pipe)
-            return list(await self._call("apply", pipe.execute()))
+            return list(await redis_call("apply", pipe.execute()))
 
     async def _resync(
         self, replica: str, namespace: Namespace, pending: _Pending, statuses: list[Any]
@@ -251,8 +260,8 @@ class RedisWriter:
         # Redis lost this replica's id mapping, hence (no persistence, failover) its data: the
         # ledger is the authority, so its whole state is written again under a valid id.
         if any(int(s) == lua.APPLY_RID_TAKEN for s in statuses):
-            self._rids.pop((replica, namespace), None)
-        ledger = self._ledgers[(replica, namespace)]
+            self.drop_rid(replica, namespace)
+        ledger = self.ledgers[(replica, namespace)]
         newer = self._pending.get((replica, namespace))
         snapshot = _Pending()
         snapshot.merge(
@@ -275,6 +284,16 @@ class RedisWriter:
             self._seqs[(replica, namespace)] = seq
         await self._flush(replica, namespace)
 
+    def has_pending(self, replica: str, namespace: Namespace) -> bool:
+        """Whether changes of the replica wait for Redis (a flush is due)."""
+        return (replica, namespace.base()) in self._pending
+
+    async def rewrite(self, replica: str, namespace: Namespace, changes: LedgerChanges) -> None:
+        """Write ``changes`` of the replica (what Redis lost or holds older than its ledger),
+        checkpointed at the last sequence number written for it."""
+        base = namespace.base()
+        await self._commit(replica, base, changes, self._seqs.get((replica, base), ""))
+
     async def flush(self) -> int:
         """Retry every pending write; returns how many replicas are still pending."""
         for replica, namespace in list(self._pending):
@@ -288,7 +307,7 @@ class RedisWriter:
         self, replica: str, namespace: Namespace, batch: EventBatch, seq: int | None = None
     ) -> ApplyResult:
         base = namespace.base()
-        ledger = await self._ledger(replica, base)
+        ledger = await self.ledger(replica, base)
         changes = ledger.apply(batch.events)
         result = ApplyResult(changes.stats, changes.cleared, len(ledger))
         await self._commit(replica, base, changes, "" if seq is None else str(seq))
@@ -296,7 +315,7 @@ class RedisWriter:
 
     async def clear(self, replica: str, namespace: Namespace) -> int:
         base = namespace.base()
-        ledger = await self._ledger(replica, base)
+        ledger = await self.ledger(replica, base)
         held = len(ledger)
         await self._commit(replica, base, ledger.clear(), "-")
         return held
@@ -306,14 +325,14 @@ class RedisWriter:
         held = await self.clear(replica, namespace)
         base = namespace.base()
         nk = self.keys_for(base)
-        await self._call(
+        await redis_call(
             "release",
             self._release_rid(keys=[nk.rid, nk.rname, nk.ridfree], args=[replica]),
         )
-        await self._call("stats", self.client.hdel(nk.stats, *nk.stats_fields(replica)))
-        await self._call("lookahead", self.client.hdel(nk.lookahead, replica))
-        self._rids.pop((replica, base), None)
-        self._ledgers.pop((replica, base), None)
+        await redis_call("stats", self.client.hdel(nk.stats, *nk.stats_fields(replica)))
+        await redis_call("lookahead", self.client.hdel(nk.lookahead, replica))
+        self.drop_rid(replica, base)
+        self.ledgers.pop((replica, base), None)
         self._seqs.pop((replica, base), None)
         return held
 
@@ -322,8 +341,8 @@ class RedisWriter:
         pending = self._pending.get((replica, base))
         if pending is not None and pending.seq:
             return None if pending.seq == "-" else int(pending.seq)
-        value = await self._call("seq", self.client.hget(self.keys_for(base).seq, replica))
+        value = await redis_call("seq", self.client.hget(self.keys_for(base).seq, replica))
         return None if value is None else int(value)
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
-        return len(await self._ledger(replica, namespace))
+        return len(await self.ledger(replica, namespace))

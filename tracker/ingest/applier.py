@@ -1,16 +1,14 @@
 """What one replica's stream applies to the index, and what it has applied so far.
 
-:class:`ReplicaApplier` is the index side of :class:`tracker.ingest.streams.ReplicaStream`:
-it decodes a batch and writes it through the subscriber's :class:`IndexWriter`, fetches
-replays and applies their runs of batches (skipping those already applied, counting the ones
-the publisher never buffered), catches up from the checkpoint, clears the replica's blocks,
-and notes the replica's wire era and lookahead hashing on the way. It holds the replica's
-applied state: the last applied seq, the seq range obtained by replay, the block count,
-whether orphans await a resync, and when the replica last answered.
+:class:`ReplicaApplier` decodes the replica's batches, live or replayed, and writes them
+through the subscriber's :class:`~tracker.ingest.writes.IndexWriter`; it keeps the applied
+state (last seq, the range obtained by replay, block count, orphans, wire era, lookahead) that
+its :class:`tracker.ingest.streams.ReplicaStream` sequences by.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Final
@@ -21,8 +19,6 @@ from tracker.core.events import BlockStored, EventBatch, Message
 from tracker.core.index import BlockIndex
 from tracker.framework.errors import DecodeError, IndexUnavailableError
 from tracker.ingest.metrics import TrackerMetrics
-from tracker.ingest.replay import ReplayClient, ReplayResult
-from tracker.ingest.targets import ReplicaTarget
 from tracker.ingest.writes import IndexWriter
 
 logger = logging.getLogger(__name__)
@@ -34,104 +30,91 @@ class ReplicaApplier:
     """Applies one replica's batches, live or replayed, to the index; keeps what it applied.
 
     Args:
-        target: the replica.
+        replica: the replica's id.
+        namespace: the index partition it writes.
         writer: the subscriber's index writer (its ``index`` is read here too).
         metrics: the service's metrics.
-        replay: the subscriber's replay client.
     """
 
     def __init__(
         self,
-        target: ReplicaTarget,
+        replica: str,
+        namespace: Namespace,
         *,
         writer: IndexWriter,
         metrics: TrackerMetrics,
-        replay: ReplayClient,
     ) -> None:
-        self.target = target
+        self.id = replica
+        self.namespace = namespace
         self._index: BlockIndex = writer.index
         self._writer = writer
         self._metrics = metrics
-        self._replay = replay
-        self._heard_at = time.monotonic()  # last live message or replay answer (or start)
-        self.unverified = False
         self.last: int | None = None
+        """The last applied sequence number (None: none, or cleared)."""
         self.covered: tuple[int, int] | None = None
+        """The sequence range obtained by replay since the stream last started over."""
         self.blocks = 0
+        self.orphaned = False
+        """Stored blocks arrived with unknown parents: a resync from replay may be due."""
         self.resync_blocked = False
-        self._orphaned = False
+        """A full replay left orphans: resyncing again would only churn the index."""
         self.era: WireEra | None = None
         self.lookahead = 0  # tokens after each block its hash covers (_note_lookahead)
         self._lookahead_written = False  # the first batch says it, 0 too (clears a stale one)
         self._applied = 0
 
-    @property
-    def id(self) -> str:
-        return self.target.id
+    async def resume(self) -> int | None:
+        """Continue from the index's checkpoint, retrying while the index is unavailable;
+        blocks held without a checkpoint (unknown provenance) are cleared. Returns the
+        checkpoint."""
+        delay = 0.1
+        while True:
+            try:
+                self.blocks = await self._index.block_count(self.id, self.namespace)
+                checkpoint = await self._index.last_seq(self.id, self.namespace)
+                break
+            except IndexUnavailableError as exc:
+                logger.warning(
+                    "index unavailable, retrying", extra={"replica": self.id, "error": str(exc)}
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self.last = checkpoint
+        self._metrics.replica(self.id, blocks=self.blocks, seq=checkpoint)
+        if checkpoint is None and self.blocks:
+            await self.clear(None)  # blocks of unknown provenance: no checkpoint to resume
+        return checkpoint
 
-    @property
-    def namespace(self) -> Namespace:
-        return self.target.namespace
-
-    async def _catch_up(self) -> bool:
-        """Replay what was missed while nobody listened (tracker restart, fence, a silent
-        live stream); whether the replay had any batch past the checkpoint."""
-        start = 0 if self.last is None else self.last + 1
-        fetched = await self._fetch(start)
-        if fetched is None:
-            return False  # best effort: the first live message takes the regular path
-        messages = fetched.messages
-        if not fetched.complete and self.last is not None:
-            self._gap(messages[0].seq - start)
-            logger.warning(
-                "events since the checkpoint are gone",
-                extra={"replica": self.id, "checkpoint": self.last, "first": messages[0].seq},
-            )
-            await self._clear("unrecoverable_gap")
-        await self._apply_replayed(messages, from_zero=start == 0)
-        return bool(messages)
-
-    def _gap(self, missing: int) -> None:
+    def gap(self, missing: int) -> None:
+        """Count ``missing`` events of the replica that will never be applied."""
         self._metrics.gaps.labels(self.id).inc()
         self._metrics.missed.inc(max(missing, 0))
 
-    def _heard(self) -> None:
-        self._heard_at = time.monotonic()
-        if self.unverified:
-            self.unverified = False
-            logger.info("replica answers again", extra={"replica": self.id})
-
-    async def _fetch(self, start: int, until: int | None = None) -> ReplayResult | None:
-        """Replay from ``start`` (needing everything up to ``until``); ``None`` if none came."""
-        if not self.target.replay:
-            self._metrics.replays.labels("no_endpoint").inc()
-            return None
-        result = await self._replay.fetch(self.id, self.target.replay, start, until)
-        if result.received:
-            self._heard()
-        return result if result.received else None
-
-    async def _apply_replayed(self, messages: list[Message], *, from_zero: bool = False) -> None:
+    async def apply_replayed(self, messages: list[Message], *, from_zero: bool = False) -> None:
+        """Apply a replay's run of batches, skipping those already applied; ``from_zero``:
+        the run is everything the publisher still buffers."""
         for message in messages:
             if self.last is not None:
                 if message.seq <= self.last:
                     continue
                 if message.seq > self.last + 1:  # a batch the publisher never buffered
-                    self._gap(message.seq - self.last - 1)
-            await self._apply(message)
+                    self.gap(message.seq - self.last - 1)
+            await self.apply(message)
         if messages:
             low, high = messages[0].seq, messages[-1].seq
             if self.covered is not None:
                 low, high = min(low, self.covered[0]), max(high, self.covered[1])
             self.covered = (low, high)
-        if from_zero and self._orphaned:
+        if from_zero and self.orphaned:
             # Everything the publisher still has was applied; parents older than its
             # buffer cannot be recovered, so resyncing again would only churn the index.
             logger.info("orphans remain after a full replay", extra={"replica": self.id})
             self.resync_blocked = True
-            self._orphaned = False
+            self.orphaned = False
 
-    async def _apply(self, message: Message) -> None:
+    async def apply(self, message: Message) -> None:
+        """Apply one batch; a malformed one is counted and skipped, but still advances
+        :attr:`last`."""
         try:
             batch = decode_batch(message.payload)
         except DecodeError as exc:
@@ -160,7 +143,7 @@ class ReplicaApplier:
         if result.cleared:
             self.resync_blocked = False  # the engine starts over: new orphans are news
         if result.stats.get("orphan"):
-            self._orphaned = True
+            self.orphaned = True
         self.blocks = result.blocks
         self._advance(message.seq)
 
@@ -206,7 +189,14 @@ class ReplicaApplier:
         self.last = seq
         self._metrics.replica(self.id, blocks=self.blocks, seq=seq)
 
-    async def _clear(self, cause: str | None) -> None:
+    def start_over(self) -> None:
+        """Forget the replayed range and a blocked resync: the replica's stream starts over
+        (an engine restart, a fence)."""
+        self.covered = None
+        self.resync_blocked = False
+
+    async def clear(self, cause: str | None) -> None:
+        """Clear the replica's blocks (``cause`` labels the reset; None: not counted)."""
         held = await self._writer.clear(self.id, self.namespace)
         if cause is not None:
             self._metrics.resets.labels(cause).inc()
@@ -220,5 +210,5 @@ class ReplicaApplier:
         )
         self.last = None
         self.blocks = 0
-        self._orphaned = False
+        self.orphaned = False
         self._metrics.replica(self.id, blocks=0)

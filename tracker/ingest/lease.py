@@ -1,21 +1,10 @@
 """The tracker election: one tracker of a fleet applies events, the others wait on standby.
 
-Every replica's event stream must be sequenced, replayed and fenced by exactly one ledger.
-With ``--lease-ttl-s`` the trackers that share a Redis and an ``--election`` name hold an
-election there: the winner holds a lease (``SET NX PX``) and renews it every third of its
-TTL; the others retry as often and take over when it expires — within one TTL of the
-active tracker's death — resuming every replica from its checkpoint in Redis by replay, as
-a restarted tracker does.
-
-A lease alone does not stop a tracker that was paused (a stop-the-world pause, a network
-partition) from writing after its lease expired. So each win also draws a **fencing
-number** (``INCR``), every index write carries it, and the index refuses a write whose
-number is below the highest that has written the partition
-(:data:`tracker.core.lua.APPLY_FENCED`). The new tracker raises every known partition's fence
-before it reads any ledger back (:meth:`tracker.core.redis_index.RedisIndex.claim_partitions`),
-so from then on the old one cannot change what it reads. The old one learns it lost at its
-next renewal or its next write, whichever comes first, and stops (exit status 1: let the
-supervisor restart it, as a standby).
+The winner holds a lease (``SET NX PX``) renewed every third of its TTL; each win draws a
+fencing number (``INCR``) that every index write carries, so a tracker paused past its lease
+cannot write once its successor claimed the partitions
+(:meth:`tracker.core.redis_index.RedisIndex.claim_partitions`, refused writes:
+:data:`tracker.core.lua.APPLY_FENCED`). The design: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ import socket
 import redis.asyncio as redis
 
 from tracker.core import keys as schema
-from tracker.core import lua_lease
+from tracker.core import lua
 from tracker.core.redis_client import redis_call
 
 
@@ -51,8 +40,8 @@ class TrackerLease:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.lease_key, self.fence_key = schema.tracker_lease(election)
         self.fence = 0  # this tracker's fencing number while it holds the lease
-        self._acquire = client.register_script(lua_lease.LEASE_ACQUIRE)
-        self._keep = client.register_script(lua_lease.LEASE_KEEP)
+        self._acquire = client.register_script(lua.LEASE_ACQUIRE)
+        self._keep = client.register_script(lua.LEASE_KEEP)
 
     @property
     def _ttl_ms(self) -> int:

@@ -18,8 +18,8 @@ import zmq
 from tracker.core.index import BlockIndex, ReplicaRecord
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
+from tracker.ingest.streams import ReplicaTarget
 from tracker.ingest.subscriber import Subscriber
-from tracker.ingest.targets import ReplicaTarget
 
 logger = logging.getLogger(__name__)
 

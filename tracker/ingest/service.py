@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tracker.core.backends import open_index
+from tracker.core.blocks import Namespace
 from tracker.core.index import BlockIndex
 from tracker.framework.errors import ConfigError, FencedError, IndexUnavailableError
 from tracker.framework.http import HTTPServer, bind, metrics_endpoint
@@ -37,8 +38,8 @@ from tracker.ingest.config import TrackerSettings
 from tracker.ingest.memory import MemoryWatch
 from tracker.ingest.metrics import TrackerMetrics
 from tracker.ingest.registry import RegistrySync
+from tracker.ingest.streams import ReplicaTarget
 from tracker.ingest.subscriber import Subscriber
-from tracker.ingest.targets import static_targets
 
 if TYPE_CHECKING:
     from tracker.ingest.lease import TrackerLease
@@ -54,6 +55,19 @@ class _Pinging(Protocol):
 @runtime_checkable
 class _Fencing(Protocol):
     async def claim_partitions(self, fence: int, election: str) -> int: ...
+
+
+def static_targets(settings: TrackerSettings) -> list[ReplicaTarget]:
+    """The replicas given with ``--replica``, in the settings' namespace unless overridden."""
+    return [
+        ReplicaTarget(
+            spec.id,
+            Namespace(spec.model or settings.model, spec.block_size or settings.block_size),
+            spec.events,
+            spec.replay,
+        )
+        for spec in settings.replica_specs
+    ]
 
 
 class TrackerService:

@@ -1,23 +1,8 @@
 """One replica's event stream: sequence tracking, gap replay, restart fencing, orphan resync.
 
-Live messages of a replica are queued by the subscriber and applied, strictly in sequence
-order, by the stream's worker. Per replica the stream keeps ``last`` (last applied seq),
-``live_high`` (highest seq seen on the live stream) and ``covered`` (the seq range obtained
-by replay), and decides for each live message ``m``:
-
-=====================================  ================================================
-``last`` unknown (fresh or reset)      replay from 0 first if ``m.seq > 0``, then apply
-``m.seq == last + 1``                  apply
-``m.seq > last + 1``                   gap: replay from ``last + 1``; incomplete replay
-                                       or none -> clear, continue from what is available
-``m.seq <= last``, inside ``covered``  already applied through a replay: skip
-and above ``live_high``
-``m.seq <= last`` otherwise            sequence reset (engine restart): clear, start over
-=====================================  ================================================
-
-While a replay runs, live messages keep queueing; afterwards those already covered are
-skipped. A malformed batch is counted and skipped but still advances ``last``. Applying,
-replaying and clearing themselves are :class:`tracker.ingest.applier.ReplicaApplier`'s.
+The subscriber queues a replica's live messages; the stream's worker applies them strictly
+in sequence order (:meth:`ReplicaStream._on_live` decides each), through the stream's
+:class:`~tracker.ingest.applier.ReplicaApplier`.
 """
 
 from __future__ import annotations
@@ -29,13 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final
 
+from tracker.core.blocks import Namespace
 from tracker.core.events import Message
-from tracker.framework.errors import IndexUnavailableError
 from tracker.ingest.applier import ReplicaApplier
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
-from tracker.ingest.replay import ReplayClient
-from tracker.ingest.targets import ReplicaTarget
+from tracker.ingest.replay import ReplayClient, ReplayResult
 from tracker.ingest.writes import IndexWriter
 
 logger = logging.getLogger(__name__)
@@ -45,6 +29,21 @@ MAX_QUEUE: Final = 100_000
 
 
 SILENT_POLL_S: Final = 1.0  # replay poll interval while a live stream is silent
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaTarget:
+    """A replica to consume: where its events come from and what it serves; from a
+    ``--replica`` flag (:func:`tracker.ingest.service.static_targets`) or a registry record.
+
+    ``events`` is ``None`` for replicas that publish into the tracker's bound socket.
+    """
+
+    id: str
+    namespace: Namespace
+    events: str | None = None
+    replay: str | None = None
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +62,9 @@ _TICK: Final = _Tick()
 Item = Message | Fence | None
 
 
-class ReplicaStream(ReplicaApplier):
-    """Applies one replica's batches to the index in sequence order.
+class ReplicaStream:
+    """Applies one replica's batches to the index in sequence order, through its
+    :attr:`applier`.
 
     Args:
         target: the replica.
@@ -83,17 +83,30 @@ class ReplicaStream(ReplicaApplier):
         replay: ReplayClient,
         settings: TrackerSettings,
     ) -> None:
-        super().__init__(target, writer=writer, metrics=metrics, replay=replay)
+        self.target = target
+        self.applier = ReplicaApplier(target.id, target.namespace, writer=writer, metrics=metrics)
+        self._metrics = metrics
+        self._replay = replay
         self._cooldown_s = settings.resync_cooldown_s
         self._silence_s = settings.silence_check_s
         self._unverified_s = settings.unverified_after_s
+        self._heard_at = time.monotonic()  # last live message or replay answer (or start)
         self._live_at = self._heard_at  # last live message (or start)
         self._checked_at = self._live_at
         self.silent = False
+        self.unverified = False
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.live_high: int | None = None
         self.primed = False
         self._last_resync = -math.inf
+
+    @property
+    def id(self) -> str:
+        return self.target.id
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.target.namespace
 
     # ----------------------------------------------------------- producer side
 
@@ -113,6 +126,7 @@ class ReplicaStream(ReplicaApplier):
         self.queue.put_nowait(None)
 
     def status(self) -> dict[str, Any]:
+        applied = self.applier
         return {
             "model": self.namespace.model,
             "block_size": self.namespace.block_size,
@@ -121,15 +135,15 @@ class ReplicaStream(ReplicaApplier):
             "replay": self.target.replay,
             "instance": self.target.instance,
             "synced": self.primed,
-            "last_seq": self.last,
+            "last_seq": applied.last,
             "live_seq": self.live_high,
-            "blocks": self.blocks,
+            "blocks": applied.blocks,
             "queued": self.queue.qsize(),
-            "resync_blocked": self.resync_blocked,
-            "wire_era": None if self.era is None else self.era.value,
+            "resync_blocked": applied.resync_blocked,
+            "wire_era": None if applied.era is None else applied.era.value,
             "live_silent": self.silent,
             "unverified": self.unverified,
-            "lookahead_tokens": self.lookahead,
+            "lookahead_tokens": applied.lookahead,
         }
 
     # ----------------------------------------------------------- worker
@@ -145,7 +159,7 @@ class ReplicaStream(ReplicaApplier):
                 await self._fence(item)
             elif isinstance(item, Message):
                 await self._on_live(item)
-            if self._orphaned:
+            if self.applier.orphaned:
                 await self._maybe_resync()
             if self._silence_wait() == 0:
                 await self._check_silence()
@@ -162,22 +176,7 @@ class ReplicaStream(ReplicaApplier):
             return _TICK
 
     async def _prime(self) -> None:
-        delay = 0.1
-        while True:
-            try:
-                self.blocks = await self._index.block_count(self.id, self.namespace)
-                checkpoint = await self._index.last_seq(self.id, self.namespace)
-                break
-            except IndexUnavailableError as exc:
-                logger.warning(
-                    "index unavailable, retrying", extra={"replica": self.id, "error": str(exc)}
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        self.last = checkpoint
-        self._metrics.replica(self.id, blocks=self.blocks, seq=checkpoint)
-        if checkpoint is None and self.blocks:
-            await self._clear(None)  # blocks of unknown provenance: no checkpoint to resume
+        checkpoint = await self.applier.resume()
         logger.info(
             "replica tracked",
             extra={
@@ -185,14 +184,36 @@ class ReplicaStream(ReplicaApplier):
                 "model": self.namespace.model,
                 "block_size": self.namespace.block_size,
                 "checkpoint": checkpoint,
-                "blocks": self.blocks,
+                "blocks": self.applier.blocks,
             },
         )
         if self.target.replay:
             await self._catch_up()
         self.primed = True
 
+    # ----------------------------------------------------------- sequencing
+
     async def _on_live(self, message: Message) -> None:
+        """Apply a live message ``m`` in sequence, by ``last`` (last applied seq),
+        ``live_high`` (highest seq seen live) and ``covered`` (the seq range obtained by
+        replay):
+
+        =====================================  ===========================================
+        ``last`` unknown (fresh or reset)      replay from 0 first if ``m.seq > 0``, then
+                                               apply
+        ``m.seq == last + 1``                  apply
+        ``m.seq > last + 1``                   gap: replay from ``last + 1``; incomplete
+                                               replay or none -> clear, continue from
+                                               what is available
+        ``m.seq <= last``, inside ``covered``  already applied through a replay: skip
+        and above ``live_high``
+        ``m.seq <= last`` otherwise            sequence reset (engine restart): clear,
+                                               start over
+        =====================================  ===========================================
+
+        While a replay runs, live messages keep queueing; afterwards those already covered
+        are skipped.
+        """
         self._metrics.messages.labels("live").inc()
         self._live_at = time.monotonic()
         self._heard()
@@ -200,15 +221,16 @@ class ReplicaStream(ReplicaApplier):
             self.silent = False
             self._metrics.live_silent.labels(self.id).set(0)
             logger.info("live events resumed", extra={"replica": self.id, "seq": message.seq})
-        if self.last is None:
+        last, covered = self.applier.last, self.applier.covered
+        if last is None:
             await self._start_fresh(message)
-        elif message.seq == self.last + 1:
+        elif message.seq == last + 1:
             self._saw_live(message.seq)
-            await self._apply(message)
-        elif message.seq > self.last + 1:
+            await self.applier.apply(message)
+        elif message.seq > last + 1:
             await self._recover_gap(message)
         elif (self.live_high is not None and message.seq <= self.live_high) or not (
-            self.covered and self.covered[0] <= message.seq <= self.covered[1]
+            covered and covered[0] <= message.seq <= covered[1]
         ):
             await self._reset(message)
         else:
@@ -219,73 +241,110 @@ class ReplicaStream(ReplicaApplier):
         if message.seq > 0 and self.target.replay:
             fetched = await self._fetch(0, until=message.seq - 1)
             if fetched is not None:
-                await self._apply_replayed(fetched.messages, from_zero=True)
-        if self.last is None or message.seq > self.last:
-            await self._apply(message)
+                await self.applier.apply_replayed(fetched.messages, from_zero=True)
+        if self.applier.last is None or message.seq > self.applier.last:
+            await self.applier.apply(message)
 
     async def _recover_gap(self, message: Message) -> None:
-        assert self.last is not None
-        start = self.last + 1
-        self._gap(message.seq - start)
+        assert self.applier.last is not None
+        start = self.applier.last + 1
+        self.applier.gap(message.seq - start)
         logger.warning(
             "sequence gap",
-            extra={"replica": self.id, "last_seq": self.last, "seq": message.seq},
+            extra={"replica": self.id, "last_seq": self.applier.last, "seq": message.seq},
         )
         fetched = await self._fetch(start, until=message.seq - 1)
         self._saw_live(message.seq)
         if fetched is not None and fetched.complete:
-            await self._apply_replayed(fetched.messages)
+            await self.applier.apply_replayed(fetched.messages)
         else:
             logger.warning(
                 "unrecoverable gap: clearing replica",
-                extra={"replica": self.id, "last_seq": self.last, "seq": message.seq},
+                extra={"replica": self.id, "last_seq": self.applier.last, "seq": message.seq},
             )
-            await self._clear("unrecoverable_gap")
+            await self.applier.clear("unrecoverable_gap")
             if fetched is not None:
-                await self._apply_replayed(fetched.messages)  # continue from what is left
-        if self.last is None or message.seq > self.last:
-            await self._apply(message)
+                await self.applier.apply_replayed(fetched.messages)  # continue from what is left
+        if self.applier.last is None or message.seq > self.applier.last:
+            await self.applier.apply(message)
 
     async def _reset(self, message: Message) -> None:
         logger.warning(
             "sequence reset: engine restarted",
             extra={
                 "replica": self.id,
-                "last_seq": self.last,
+                "last_seq": self.applier.last,
                 "live_seq": self.live_high,
                 "seq": message.seq,
             },
         )
-        await self._clear("seq_reset")
+        await self.applier.clear("seq_reset")
         self._forget_stream()
         await self._start_fresh(message)
 
     async def _fence(self, fence: Fence) -> None:
         logger.warning("fencing replica", extra={"replica": self.id, "cause": fence.cause})
-        await self._clear(fence.cause)
+        await self.applier.clear(fence.cause)
         self._forget_stream()
         if fence.catch_up and self.target.replay:
             await self._catch_up()
 
     def _forget_stream(self) -> None:
         self.live_high = None
-        self.covered = None
-        self.resync_blocked = False
+        self.applier.start_over()
 
     def _saw_live(self, seq: int) -> None:
         self.live_high = seq if self.live_high is None else max(self.live_high, seq)
 
+    # ----------------------------------------------------------- replay
+
+    async def _catch_up(self) -> bool:
+        """Replay what was missed while nobody listened (tracker restart, fence, a silent
+        live stream); whether the replay had any batch past the checkpoint."""
+        last = self.applier.last
+        start = 0 if last is None else last + 1
+        fetched = await self._fetch(start)
+        if fetched is None:
+            return False  # best effort: the first live message takes the regular path
+        messages = fetched.messages
+        if not fetched.complete and last is not None:
+            self.applier.gap(messages[0].seq - start)
+            logger.warning(
+                "events since the checkpoint are gone",
+                extra={"replica": self.id, "checkpoint": last, "first": messages[0].seq},
+            )
+            await self.applier.clear("unrecoverable_gap")
+        await self.applier.apply_replayed(messages, from_zero=start == 0)
+        return bool(messages)
+
+    async def _fetch(self, start: int, until: int | None = None) -> ReplayResult | None:
+        """Replay from ``start`` (needing everything up to ``until``); ``None`` if none came."""
+        if not self.target.replay:
+            self._metrics.replays.labels("no_endpoint").inc()
+            return None
+        result = await self._replay.fetch(self.id, self.target.replay, start, until)
+        if result.received:
+            self._heard()
+        return result if result.received else None
+
+    def _heard(self) -> None:
+        self._heard_at = time.monotonic()
+        if self.unverified:
+            self.unverified = False
+            logger.info("replica answers again", extra={"replica": self.id})
+
     # ----------------------------------------------------------- resync after orphans
 
     def _resync_wait(self) -> float | None:
-        if not self._orphaned or not self.target.replay or self.resync_blocked:
+        applied = self.applier
+        if not applied.orphaned or not self.target.replay or applied.resync_blocked:
             return None
         return max(0.0, self._last_resync + self._cooldown_s - time.monotonic())
 
     async def _maybe_resync(self) -> None:
         wait = self._resync_wait()
         if wait is None:
-            self._orphaned = False
+            self.applier.orphaned = False
             return
         if wait > 0:
             return  # _next() wakes the worker when the cooldown is over
@@ -296,8 +355,8 @@ class ReplicaStream(ReplicaApplier):
         fetched = await self._fetch(0)
         if fetched is None:
             return  # retried after the cooldown
-        await self._clear("orphan_resync")
-        await self._apply_replayed(fetched.messages, from_zero=True)
+        await self.applier.clear("orphan_resync")
+        await self.applier.apply_replayed(fetched.messages, from_zero=True)
 
     # ----------------------------------------------------------- a silent live stream
 
@@ -335,7 +394,7 @@ class ReplicaStream(ReplicaApplier):
                     "replica": self.id,
                     "events": self.target.events,
                     "replay": self.target.replay,
-                    "seq": self.last,
+                    "seq": self.applier.last,
                 },
             )
 
@@ -358,4 +417,4 @@ class ReplicaStream(ReplicaApplier):
                 "replay": self.target.replay,
             },
         )
-        await self._clear("unverifiable")
+        await self.applier.clear("unverifiable")

@@ -29,8 +29,7 @@ from tracker.framework.lifecycle import cancel_and_wait, finish_or_cancel
 from tracker.ingest.config import TrackerSettings
 from tracker.ingest.metrics import TrackerMetrics
 from tracker.ingest.replay import ReplayClient
-from tracker.ingest.streams import ReplicaStream
-from tracker.ingest.targets import ReplicaTarget
+from tracker.ingest.streams import ReplicaStream, ReplicaTarget
 from tracker.ingest.writes import IndexWriter
 
 logger = logging.getLogger(__name__)
