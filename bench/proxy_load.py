@@ -1,6 +1,6 @@
 """Proxy throughput and per-chunk latency: the same requests through one router or direct.
 
-Starts the stack as local processes (:class:`bench.stack.LocalStack`: redis-server, two
+Starts the stack as local processes (:class:`bench.stack.local.LocalStack`: redis-server, two
 simulated engines in one ``kvrouter replica`` process, the tracker and one ``kvrouter
 router --redis``), then drives it from this process with an asyncio aiohttp client: a closed
 loop of non-streaming requests at a fixed concurrency (requests/s), and streams whose
@@ -29,8 +29,8 @@ from typing import Any, Final
 
 import aiohttp
 
-from bench.stack import LocalStack
-from bench.stack_config import StackConfig
+from bench.stack.config import StackConfig
+from bench.stack.local import LocalStack
 from router.upstream import KEEPALIVE_EXPIRY_S
 
 MODEL: Final = "default"
@@ -103,7 +103,7 @@ class CpuMeter:
     """CPU seconds spent by each process of the stack (and the load generator) in a span."""
 
     def __init__(self, stack: LocalStack) -> None:
-        self.pids: dict[str, int | None] = {name: stack.pid(name) for name in PROCESSES}
+        self.pids: dict[str, int | None] = {name: stack.processes.pid(name) for name in PROCESSES}
         self.pids["client"] = None
         self._start = self._read()
 
@@ -255,7 +255,10 @@ def decision_mean_ms(metrics: str) -> float | None:
 
 
 async def drive(stack: LocalStack, settings: ProxySettings) -> dict[str, Any]:
-    router, direct = Target("router", stack.router_urls), Target("direct", stack.replica_urls)
+    router, direct = (
+        Target("router", stack.layout.router_urls),
+        Target("direct", stack.layout.replica_urls),
+    )
     bodies = Bodies(settings.groups)
     # idle connections close before the servers' 5 s keep-alive timeout closes them under us
     connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=KEEPALIVE_EXPIRY_S)
@@ -283,7 +286,7 @@ async def drive(stack: LocalStack, settings: ProxySettings) -> dict[str, Any]:
         for name, results in rounds.items():
             out[name]["throughput"] = max(results, key=lambda r: r["rps"])
             out[name]["throughput_rounds"] = results
-        async with client.get(stack.router_urls[0] + "/metrics") as response:
+        async with client.get(stack.layout.router_urls[0] + "/metrics") as response:
             metrics = await response.text()
     out["router_decision_mean_ms"] = decision_mean_ms(metrics)
     return out

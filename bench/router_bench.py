@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench.corpus import Lexicon, train_tokenizer
-from bench.procs import RedisServer
 from bench.proxy_load import ProxySettings, measure, percentile, proxy_table
 from bench.router_fixture import (
     BLOCK_SIZE,
@@ -44,6 +43,7 @@ from bench.router_fixture import (
     router_settings,
     store,
 )
+from bench.stack.redis_servers import RedisServer
 from router.config import RouterSettings
 from router.placement import Placement
 from router.redis_load import RedisLoadBoard

@@ -55,7 +55,7 @@ from bench.load_loops import Level, closed_streams, open_streams
 from bench.overhead import EMBEDDED, LOCAL_INDEX, start_kvrouter, start_peers
 from bench.peers import installed, named
 from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, percentile
-from bench.stack import LocalStack
+from bench.stack.local import LocalStack
 from router.upstream import KEEPALIVE_EXPIRY_S
 from tracker.framework.cli import parse_argv
 from tracker.framework.errors import ConfigError
@@ -277,23 +277,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         replica_processes=True,
     )
     with LocalStack(config).start() as stack:
-        targets: dict[str, list[str]] = {DIRECT: stack.replica_urls}
+        targets: dict[str, list[str]] = {DIRECT: stack.layout.replica_urls}
         pids: dict[str, int | None] = {}
         for count in workers:
             name = f"kvrouter-w{count}"
             targets[name] = [start_kvrouter(stack, name, workers=count, extra=extra)]
-            pids[name] = stack.pid(name)
+            pids[name] = stack.processes.pid(name)
         if settings.local_index:
             targets[LOCAL_INDEX] = [
                 start_kvrouter(stack, LOCAL_INDEX, workers=1, extra=extra, local_index=True)
             ]
-            pids[LOCAL_INDEX] = stack.pid(LOCAL_INDEX)
+            pids[LOCAL_INDEX] = stack.processes.pid(LOCAL_INDEX)
         if settings.embedded:
             targets[EMBEDDED] = [start_kvrouter(stack, EMBEDDED, workers=None, extra=extra)]
-            pids[EMBEDDED] = stack.pid(EMBEDDED)
+            pids[EMBEDDED] = stack.processes.pid(EMBEDDED)
         for name, url in start_peers(stack, peers).items():
             targets[name] = [url]
-            pids[name] = stack.pid(name)
+            pids[name] = stack.processes.pid(name)
         report = asyncio.run(drive(targets, pids, plan))
     print(render(report))
     if settings.json:

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from bench.commands import QUICK, BenchSettings, plan, run
-from bench.demo import DemoSettings
-from bench.demo import run as demo
 from bench.fleet import FleetConfig
 from bench.matrix import MatrixSettings, run_cell
 from bench.matrix_report import full_tables
-from bench.stack_config import VllmEngines
+from bench.stack.config import VllmEngines
+from bench.stack.demo import DemoSettings
+from bench.stack.demo import run as demo
 from bench.verdicts import Cell, verdict
 from tracker.framework.errors import ConfigError
 
