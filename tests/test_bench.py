@@ -16,12 +16,13 @@ import pytest
 
 from bench.commands import QUICK, BenchSettings, plan, run
 from bench.fleet import FleetConfig
-from bench.matrix import MatrixSettings, run_cell
-from bench.matrix_report import full_tables
+from bench.matrix.cells import Cell
+from bench.matrix.commands import MatrixSettings, run_cell
+from bench.matrix.report import full_tables
+from bench.matrix.verdicts import verdict
 from bench.stack.config import VllmEngines
 from bench.stack.demo import DemoSettings
 from bench.stack.demo import run as demo
-from bench.verdicts import Cell, verdict
 from tracker.framework.errors import ConfigError
 
 pytestmark = [
