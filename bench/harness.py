@@ -1,26 +1,10 @@
 """One fleet, one workload, every routing policy in turn: the benchmark's orchestration.
 
-The fleet is a :class:`~bench.stack.local.LocalStack` started once: simulated engines, redis-server,
-the tracker and the router(s) (or, embedded, one router with its in-process tracker). For
-each policy the harness
-
-1. empties every engine's prefix cache (``POST /reset_prefix_cache``; vLLM publishes
-   ``AllBlocksCleared`` with the *next* step's batch, so each engine then gets a 2-token
-   request, too short to fill a block) and checks, with the simulation-only probe, that no
-   block is cached any more;
-2. restarts the router(s) with ``--policy`` set (``kvrouter`` is ``--policy ttft``), waits
-   until they route to every engine, and until the index holds no block of any engine;
-3. replays the same workload (same arrivals) through the entry point, collecting
-   :class:`~bench.loadgen.Result` per request.
-
-So every policy starts cold, with the same fleet, the same arrivals and the same proxy path.
-The real peer routers (:mod:`bench.peers`: ``vllm-kv``, ``vllm-cache``, ``smg``) are arms
-too: for their pass the kvrouter routers are stopped and the peer's own instances started on
-the same ports (behind the same haproxy when there are several), in front of the same engines.
-
-Scenario knobs of a run (:class:`~bench.fleet.FleetConfig`): a share of the conversations
-sent straight to the engines past every router (``bypass_share``), and one engine SIGKILLed
-and restarted empty a given time into each pass (``restart_engine_at_s``).
+:class:`Harness` starts the fleet (a :class:`~bench.stack.local.LocalStack`) once and starts
+every policy alike: the engines' prefix caches emptied and checked empty, the routers
+restarted with the policy (or a real peer's own instances on their ports, :mod:`bench.peers`)
+and the index empty; then it replays the workload with the same arrivals and collects a
+:class:`~bench.loadgen.Result` per request. The method: docs/benchmarks.md, "The fleet".
 """
 
 from __future__ import annotations

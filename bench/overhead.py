@@ -1,23 +1,13 @@
-"""What each router adds to a lone request: kvrouter and the real peers against the engine itself.
+"""What each router adds to a lone request: kvrouter (with Redis, embedded) and the real peers
+against the engine itself, in front of the same two fast simulated engines.
 
-Starts two simulated engines (``--time-scale`` 0.001 by default: a 5k-token hit takes a few
-milliseconds, so the routers' own time stands out), Redis, the tracker and one kvrouter router,
-one embedded kvrouter router (its own index from the engines' events, one process, as each peer
-has; ``--no-embedded`` leaves it out), plus one instance of each peer named
-(:mod:`bench.peers`) in front of the same engines. Every group's system prompt is first cached
-on both engines, so whichever engine a router picks, the request hits and costs the engine
-the same. Then, round after round, the same kind of request (a group's ~4,800-token system
-prompt and a new 150-character question, streamed answers of ``--output-tokens``, 64 by
-default) goes one at a time straight to an engine and
-through each router, in a shuffled order; the time to the first content chunk is taken at
-the client. Reported per target: its TTFT, what it adds over the direct request of the same
-round (paired difference; p50 and p90), in real milliseconds, and the router process's CPU
-time per request (every thread, background work included; from /proc).
+Round after round the same kind of request, a group's cached system prompt and a new
+question, goes one at a time straight to an engine and through each router in a shuffled
+order. Reported per target: its TTFT, what it adds over the direct request of the same round
+(p50 and p90, real ms) and the router process's CPU per request. Method and results: the
+README ("Against the peers, one request at a time").
 
     python -m bench.overhead [--rounds 300] [--peers smg,vllm-kv,vllm-cache] [--json FILE]
-
-The machine's cores are shared by every process, so absolute numbers vary with the host;
-compare targets within one run.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Proxy throughput and per-chunk latency: the same requests through one router or direct.
 
-Starts the stack as local processes (:class:`bench.stack.local.LocalStack`: redis-server, two
-simulated engines in one ``kvrouter replica`` process, the tracker and one ``kvrouter
-router --redis``), then drives it from this process with an asyncio aiohttp client: a closed
-loop of non-streaming requests at a fixed concurrency (requests/s), and streams whose
-chunks are timestamped on arrival (time to first chunk, gaps between chunks). Each
-measurement runs directly against the engines (round-robin) and through the router, with
-the same client and the same kind of request bodies. Every process shares the machine's
-cores with the load generator, so CPU time per request is read from /proc for each of them.
+Starts a :class:`~bench.stack.local.LocalStack` (two simulated engines, Redis, the tracker,
+one router) and drives it from this process: a closed loop of non-streamed requests, and
+streams timestamped chunk by chunk, each straight to the engines and through the router, with
+every process's CPU per request read from /proc (the router benchmark's proxy part; the
+README, "Router").
 """
 
 from __future__ import annotations

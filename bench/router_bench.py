@@ -1,7 +1,9 @@
-"""Router benchmark (``python -m bench.router_bench``): what a routing decision costs, stage by
-stage, through the router's own objects over a populated index (Redis or embedded), and the
-data path's throughput and per-chunk latency (:mod:`bench.proxy_load`); method, targets and
-results in the README ("Router"). Writes bench/results/router.json and prints two tables.
+"""Router benchmark: decision overhead per stage, proxy throughput and per-chunk latency.
+
+The decision is timed through the router's own objects over a populated index (Redis or
+embedded), the data path by :mod:`bench.proxy_load`; method, targets and results are in the
+README ("Router"). ``python -m bench.router_bench`` writes bench/results/router.json and
+prints two tables.
 """
 
 from __future__ import annotations

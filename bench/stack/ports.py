@@ -30,8 +30,8 @@ def free_port() -> int:
     leaves room (:func:`free_ports`).
 
     The port is handed to a process that binds it later. A port the kernel chose (bind to
-    0) comes from the ephemeral range, where any outgoing connection meanwhile may take it:
-    a test's engine then failed to start with "Address already in use" (CI, 2026-12-04).
+    0) comes from the ephemeral range, where any outgoing connection meanwhile may take it
+    (docs/deployment.md, "The same topology as local processes").
     """
     return free_ports(1)
 
@@ -40,8 +40,7 @@ def free_ports(count: int) -> int:
     """A first port such that ``count`` consecutive loopback ports are free right now.
 
     No port is handed out twice by this process: until a process binds the port it was
-    given, a bind test here would find it free and hand it to a second one (CI, 2026-12-05:
-    a router's port, picked before its test's engines, was picked again for one of them).
+    given, a bind test here would find it free and hand it to a second one.
     """
     low, high = _ephemeral_ports()
     firsts = [*range(_LOWEST_PORT, low - count + 1), *range(high + 1, 65_537 - count)]
