@@ -4,8 +4,9 @@ against the engine itself, in front of the same two fast simulated engines.
 Round after round the same kind of request, a group's cached system prompt and a new
 question, goes one at a time straight to an engine and through each router in a shuffled
 order. Reported per target: its TTFT, what it adds over the direct request of the same round
-(p50 and p90, real ms) and the router process's CPU per request. Method and results: the
-README ("Against the peers, one request at a time").
+(a paired difference; p50 and p90, real ms) and the router process's CPU per request (every
+thread, from /proc). Method and results: the README ("Against the peers, one request at a
+time").
 
     python -m bench.overhead [--rounds 300] [--peers smg,vllm-kv,vllm-cache] [--json FILE]
 """
