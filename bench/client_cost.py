@@ -1,10 +1,9 @@
 """CPU per request of an asyncio HTTP client: httpx against aiohttp, against one engine.
 
-Why the router's upstream client and the benchmarks' load generators are aiohttp: this starts
-one simulated engine (``kvrouter replica``, 0.5 ms steps), then sends it the same non-streamed
-chat request (~1k tokens, ``max_tokens`` 4) at a fixed concurrency through each client,
-reading every body, alternating clients over several rounds, and reports the client
-process's CPU time per request (getrusage) and the wall time of each round.
+The same non-streamed chat request at a fixed concurrency through each client, rounds
+alternating, against one simulated engine; the client process's CPU per request and each
+round's wall time say why the router's upstream client and the benchmarks' load generators
+are aiohttp (docs/benchmarks.md, "Router on httpx").
 
     python -m bench.client_cost [--requests 2000] [--concurrency 32] [--rounds 2]
 """
@@ -24,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from bench.procs import free_ports
+from bench.stack.ports import free_ports
 from router.upstream import KEEPALIVE_EXPIRY_S
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings, setting

@@ -17,7 +17,7 @@ from bench.harness import POLICIES, Harness
 from bench.peers import INSTALL_HINT, missing
 from bench.plan import Plan
 from bench.plots import require_matplotlib
-from bench.stack_config import VllmEngines
+from bench.stack.config import VllmEngines
 from bench.workloads import (
     WORKLOADS,
     Workload,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bench.stack_config import StackConfig, VllmEngines
+from bench.stack.config import StackConfig, VllmEngines
 from publishers.config import EngineShape, shape_fields
 from publishers.sim.latency import LatencyProfile, load_profile
 from router.policy_types import PolicyConfig, SpeedEstimate

@@ -1,26 +1,10 @@
 """One fleet, one workload, every routing policy in turn: the benchmark's orchestration.
 
-The fleet is a :class:`~bench.stack.LocalStack` started once: simulated engines, redis-server,
-the tracker and the router(s) (or, embedded, one router with its in-process tracker). For
-each policy the harness
-
-1. empties every engine's prefix cache (``POST /reset_prefix_cache``; vLLM publishes
-   ``AllBlocksCleared`` with the *next* step's batch, so each engine then gets a 2-token
-   request, too short to fill a block) and checks, with the simulation-only probe, that no
-   block is cached any more;
-2. restarts the router(s) with ``--policy`` set (``kvrouter`` is ``--policy ttft``), waits
-   until they route to every engine, and until the index holds no block of any engine;
-3. replays the same workload (same arrivals) through the entry point, collecting
-   :class:`~bench.loadgen.Result` per request.
-
-So every policy starts cold, with the same fleet, the same arrivals and the same proxy path.
-The real peer routers (:mod:`bench.peers`: ``vllm-kv``, ``vllm-cache``, ``smg``) are arms
-too: for their pass the kvrouter routers are stopped and the peer's own instances started on
-the same ports (behind the same haproxy when there are several), in front of the same engines.
-
-Scenario knobs of a run (:class:`~bench.fleet.FleetConfig`): a share of the conversations
-sent straight to the engines past every router (``bypass_share``), and one engine SIGKILLed
-and restarted empty a given time into each pass (``restart_engine_at_s``).
+:class:`Harness` starts the fleet (a :class:`~bench.stack.local.LocalStack`) once and starts
+every policy alike: the engines' prefix caches emptied and checked empty, the routers
+restarted with the policy (or a real peer's own instances on their ports, :mod:`bench.peers`)
+and the index empty; then it replays the workload with the same arrivals and collects a
+:class:`~bench.loadgen.Result` per request. The method: docs/benchmarks.md, "The fleet".
 """
 
 from __future__ import annotations
@@ -37,8 +21,8 @@ import httpx
 from bench.fleet import FleetConfig
 from bench.loadgen import LoadGenerator, Result
 from bench.peers import PEERS, PeerArm, Worker, executable
-from bench.process_group import StackError
-from bench.stack import LocalStack
+from bench.stack.local import LocalStack
+from bench.stack.processes import StackError
 from bench.workloads import Workload
 from router.policies import BASELINES
 from router.policies import POLICIES as ROUTER_POLICIES
@@ -137,10 +121,10 @@ class Harness:
             time.sleep(max(0.0, self._last_end + _PREDICTIONS_EXPIRE_S - time.monotonic()))
         self.hooks.policy_started(policy, self.workload.requests)
         generator = LoadGenerator(
-            self.stack.entry_url,
+            self.stack.layout.entry_url,
             time_scale=self.fleet.time_scale,
             on_result=lambda r: self.hooks.result(policy, r),
-            bypass_urls=self.stack.replica_urls,
+            bypass_urls=self.stack.layout.replica_urls,
             bypass_share=self.fleet.bypass_share,
             seed=self.fleet.seed,
         )
@@ -177,33 +161,35 @@ class Harness:
         await asyncio.sleep(delay_s)
         name = f"replica-{min(1, self.fleet.replicas - 1)}"
         self.hooks.stage(f"restarting {name} (SIGKILL)")
-        await asyncio.to_thread(self.stack.kill, name)
-        await asyncio.to_thread(self.stack.restart, name)
+        await asyncio.to_thread(self.stack.processes.kill, name)
+        await asyncio.to_thread(self.stack.processes.restart, name)
 
     # ------------------------------------------------------------------ steps
 
     def _routers(self) -> list[str]:
-        return [name for name in self.stack.names() if name.startswith("router-")]
+        return [name for name in self.stack.processes.names() if name.startswith("router-")]
 
     def _switch(self, policy: str) -> None:
         for name in self._peers:
-            self.stack.retire(name)
+            self.stack.processes.retire(name)
         self._peers = []
         for name in self._routers():
-            self.stack.kill(name, signal.SIGTERM)
+            self.stack.processes.kill(name, signal.SIGTERM)
         if policy in PEERS:
             self._start_peers(PEERS[policy])
             return
         for name in self._routers():
-            self.stack.restart(name, extra_args=("--policy", POLICY_FLAGS[policy]))
+            self.stack.processes.restart(name, extra_args=("--policy", POLICY_FLAGS[policy]))
 
     def _start_peers(self, arm: PeerArm) -> None:
         """The peer's own instances on the routers' ports (each its own metrics port)."""
         binary = executable(arm.binary)
         if binary is None:
             raise StackError(f"{arm.name}: {arm.binary} is not installed ({arm.package})")
-        workers = [Worker(url, events, replay) for url, events, replay in self.stack.endpoints()]
-        ports = zip(self.stack.router_ports, self.stack.spare_ports, strict=True)
+        workers = [
+            Worker(url, events, replay) for url, events, replay in self.stack.layout.endpoints()
+        ]
+        ports = zip(self.stack.layout.router_ports, self.stack.layout.spare_ports, strict=True)
         for i, (port, metrics_port) in enumerate(ports):
             name = f"peer-{i}"
             argv = arm.argv(
@@ -215,14 +201,14 @@ class Harness:
                 model=self.stack.config.model,
             )
             self._peers.append(name)
-            self.stack.spawn(name, argv, f"http://127.0.0.1:{port}{arm.ready_path}")
+            self.stack.processes.spawn(name, argv, f"http://127.0.0.1:{port}{arm.ready_path}")
 
     async def _reset_caches(self) -> None:
         async with httpx.AsyncClient(timeout=30.0) as client:
             if self.fleet.vllm is not None:
                 await self._reset_vllm(client)
                 return
-            for url in self.stack.replica_urls:
+            for url in self.stack.layout.replica_urls:
                 await self._reset_one(client, url)
 
     async def _reset_engine(self, client: httpx.AsyncClient, url: str) -> None:
@@ -239,7 +225,7 @@ class Harness:
         nothing."""
         deadline = time.monotonic() + _SETTLE_TIMEOUT_S
         while True:
-            for url in self.stack.replica_urls:
+            for url in self.stack.layout.replica_urls:
                 await self._reset_engine(client, url)
             await asyncio.sleep(0.5)  # the events reach the index
             blocks = await self._indexed_blocks(client)
@@ -263,18 +249,18 @@ class Harness:
         """Every router routes to every engine and the index holds no block."""
         want = self.fleet.replicas
         deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-        urls = [f"http://127.0.0.1:{port}" for port in self.stack.router_ports]
+        urls = [f"http://127.0.0.1:{port}" for port in self.stack.layout.router_ports]
         async with httpx.AsyncClient(timeout=5.0) as client:
             while True:
                 if self._peers:  # their readiness was checked at start; haproxy must see them
                     ready = [await self._answers(client, url) for url in urls]
-                    entry = want if await self._answers(client, self.stack.entry_url) else -1
+                    entry = want if await self._answers(client, self.stack.layout.entry_url) else -1
                 else:
                     ready = [await self._healthy(client, url) >= want for url in urls]
-                    entry = await self._healthy(client, self.stack.entry_url)
+                    entry = await self._healthy(client, self.stack.layout.entry_url)
                 # embedded, a peer took the router's place (and its index went with it): the
                 # engines' own probes said they were empty
-                embedded_peer = bool(self._peers) and self.stack.redis_url is None
+                embedded_peer = bool(self._peers) and self.stack.layout.redis_url is None
                 blocks = 0 if embedded_peer else await self._indexed_blocks(client)
                 if all(ready) and entry >= want and blocks == 0:
                     return
@@ -292,12 +278,14 @@ class Harness:
             "vllm:prefix_cache_queries_total": "prefix_cache_queries",
             "vllm:prefix_cache_hits_total": "prefix_cache_hits",
         }
-        return await self._scrape(self.stack.replica_urls, wanted)
+        return await self._scrape(self.stack.layout.replica_urls, wanted)
 
     async def _engine_requests(self) -> dict[str, float]:
         """Requests each engine finished so far (``vllm:request_success``), by engine id."""
         out = {}
-        for replica, url in zip(self.stack.replica_ids, self.stack.replica_urls, strict=True):
+        for replica, url in zip(
+            self.stack.layout.replica_ids, self.stack.layout.replica_urls, strict=True
+        ):
             counts = await self._scrape([url], {"vllm:request_success_total": "done"})
             out[replica] = counts["done"]
         return out
@@ -329,7 +317,7 @@ class Harness:
             key = f'kvrouter_router_decision_seconds_%s{{stage="{stage}"}}'
             wanted[key % "sum"] = f"_{stage}_sum"
             wanted[key % "count"] = f"_{stage}_count"
-        raw = await self._scrape(self.stack.router_urls, wanted)
+        raw = await self._scrape(self.stack.layout.router_urls, wanted)
         stats = {k: v for k, v in raw.items() if not k.startswith("_")}
         for stage in stages:
             if raw[f"_{stage}_count"]:
@@ -352,15 +340,15 @@ class Harness:
     async def _indexed_blocks(self, client: httpx.AsyncClient) -> int:
         """Blocks the index holds over every engine (-1: not known yet)."""
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            if self.stack.redis_url is not None:
+            if self.stack.layout.redis_url is not None:
                 body: Any = (
-                    await client.get(f"http://127.0.0.1:{self.stack.tracker_port}/health")
+                    await client.get(f"http://127.0.0.1:{self.stack.layout.tracker_port}/health")
                 ).json()
                 replicas = body["replicas"]
                 if len(replicas) < self.fleet.replicas:
                     return -1
                 return sum(int(r["blocks"]) for r in replicas.values())
-            text = (await client.get(f"{self.stack.router_urls[0]}/metrics")).text
+            text = (await client.get(f"{self.stack.layout.router_urls[0]}/metrics")).text
             lines = [
                 line
                 for line in text.splitlines()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.procs import RedisServer, sync_redis
+from bench.stack.redis_servers import RedisServer, sync_redis
 from tracker.core.backends import open_index
 from tracker.core.blocks import Namespace, block_keys
 from tracker.core.event_codec import WireEra, decode_batch, encode_batch

@@ -1,17 +1,11 @@
 """The benchmark's client: replays a workload's arrivals against an OpenAI endpoint and times it.
 
-Every request streams (``stream_options.include_usage``) and records, in real seconds: when
-it was sent, its first content chunk (TTFT) and its end (E2E); and from the answer: the
-prompt, cached (``usage.prompt_tokens_details.cached_tokens``, the engine's real prefix
-reuse) and output token counts, the engine that served it (the simulated engine's
-``x-kvrouter-engine``, else kvrouter's ``x-kvrouter-replica``; peer routers drop both) and
-the router's decision time (``x-kvrouter-decision-ms``). Conversations start at their arrival
-time (simulated seconds times the time scale); a later turn is sent ``think_s`` after the
-previous answer ended and carries the whole history, the real answer included.
-
-Outside traffic: with ``bypass_share`` > 0 that share of the conversations (drawn by seed, so
-the same ones for every policy) goes straight to one engine each (drawn likewise), past every
-router, as a client that knows its engine would.
+Every request streams; its :class:`Result` holds when it was sent, its first content chunk
+(TTFT) and its end (E2E) in real seconds, its usage's prompt, cached and output tokens, the
+engine that served it and the router's decision time. A conversation's later turn follows
+the previous answer after ``think_s`` and carries the whole history; ``bypass_share`` of the
+conversations go straight to an engine (docs/benchmarks.md, "Measurements" and "Scenario
+knobs").
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""What each router adds to a lone request: kvrouter and the real peers against the engine itself.
+"""What each router adds to a lone request: kvrouter (with Redis, embedded) and the real peers
+against the engine itself, in front of the same two fast simulated engines.
 
-Starts two simulated engines (``--time-scale`` 0.001 by default: a 5k-token hit takes a few
-milliseconds, so the routers' own time stands out), Redis, the tracker and one kvrouter router,
-one embedded kvrouter router (its own index from the engines' events, one process, as each peer
-has; ``--no-embedded`` leaves it out), plus one instance of each peer named
-(:mod:`bench.peers`) in front of the same engines. Every group's system prompt is first cached
-on both engines, so whichever engine a router picks, the request hits and costs the engine
-the same. Then, round after round, the same kind of request (a group's ~4,800-token system
-prompt and a new 150-character question, streamed answers of ``--output-tokens``, 64 by
-default) goes one at a time straight to an engine and
-through each router, in a shuffled order; the time to the first content chunk is taken at
-the client. Reported per target: its TTFT, what it adds over the direct request of the same
-round (paired difference; p50 and p90), in real milliseconds, and the router process's CPU
-time per request (every thread, background work included; from /proc).
+Round after round the same kind of request, a group's cached system prompt and a new
+question, goes one at a time straight to an engine and through each router in a shuffled
+order. Reported per target: its TTFT, what it adds over the direct request of the same round
+(a paired difference; p50 and p90, real ms) and the router process's CPU per request (every
+thread, from /proc). Method and results: the README ("Against the peers, one request at a
+time").
 
     python -m bench.overhead [--rounds 300] [--peers smg,vllm-kv,vllm-cache] [--json FILE]
-
-The machine's cores are shared by every process, so absolute numbers vary with the host;
-compare targets within one run.
 """
 
 from __future__ import annotations
@@ -35,11 +26,11 @@ from typing import Any, Final
 import aiohttp
 
 from bench.peers import PEERS, Worker, executable, installed, named
-from bench.procs import free_ports
 from bench.proxy_load import cpu_seconds
-from bench.stack import LocalStack
-from bench.stack_config import StackConfig
-from bench.stack_layout import kvrouter_bin
+from bench.stack.config import StackConfig
+from bench.stack.layout import kvrouter_bin
+from bench.stack.local import LocalStack
+from bench.stack.ports import free_ports
 from bench.workloads import text
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings, setting
@@ -148,19 +139,19 @@ def start_kvrouter(
     port = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     config = stack.config
-    replicas = [flag for spec in stack.replica_specs() for flag in ("--replica", spec)]
+    replicas = [flag for spec in stack.layout.replica_specs() for flag in ("--replica", spec)]
     if workers is None:
         index = replicas
     else:
-        assert stack.redis_url is not None
-        index = ["--redis", stack.redis_url, "--workers", str(workers)]
+        assert stack.layout.redis_url is not None
+        index = ["--redis", stack.layout.redis_url, "--workers", str(workers)]
         if local_index:
             index += ["--local-index", *replicas]
     argv = [
         kvrouter_bin(), "router", "--port", str(port), "--router-id", name,
         "--model", config.model, "--block-size", str(config.block_size), *index, *extra,
     ]  # fmt: skip
-    stack.spawn(name, argv, f"{url}/health")
+    stack.processes.spawn(name, argv, f"{url}/health")
     stack.wait_knows_replicas(name, f"{url}/health", 30.0)
     return url
 
@@ -168,7 +159,7 @@ def start_kvrouter(
 def start_peers(stack: LocalStack, names: Sequence[str]) -> dict[str, str]:
     """One instance of each named peer router in front of the stack's engines, started
     under the stack's control (process name = peer name); their base URLs by name."""
-    workers = [Worker(url, events, replay) for url, events, replay in stack.endpoints()]
+    workers = [Worker(url, events, replay) for url, events, replay in stack.layout.endpoints()]
     base = free_ports(2 * len(names)) if names else 0
     urls: dict[str, str] = {}
     for i, name in enumerate(names):
@@ -185,7 +176,7 @@ def start_peers(stack: LocalStack, names: Sequence[str]) -> dict[str, str]:
             block_size=stack.config.block_size,
             model=stack.config.model,
         )
-        stack.spawn(name, argv, f"http://127.0.0.1:{port}{arm.ready_path}")
+        stack.processes.spawn(name, argv, f"http://127.0.0.1:{port}{arm.ready_path}")
         urls[name] = f"http://127.0.0.1:{port}"
     return urls
 
@@ -227,17 +218,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         replica_args=("--replay-layout", "topic"),
     )
     with LocalStack(config).start() as stack:
-        targets = {"kvrouter": stack.router_urls[0]}
-        pids = {"kvrouter": stack.pid("router-0")}
+        targets = {"kvrouter": stack.layout.router_urls[0]}
+        pids = {"kvrouter": stack.processes.pid("router-0")}
         if settings.embedded:
             targets[EMBEDDED] = start_kvrouter(stack, EMBEDDED, workers=None, extra=router_args)
-            pids[EMBEDDED] = stack.pid(EMBEDDED)
+            pids[EMBEDDED] = stack.processes.pid(EMBEDDED)
         targets |= start_peers(stack, peers)
-        pids |= {name: stack.pid(name) for name in peers}
+        pids |= {name: stack.processes.pid(name) for name in peers}
         report = asyncio.run(
             measure(
                 targets,
-                stack.replica_urls,
+                stack.layout.replica_urls,
                 rounds=settings.rounds,
                 groups=settings.groups,
                 seed=settings.seed,

@@ -1,27 +1,10 @@
 """The real peer routers as benchmark arms: vllm-router (kv_aware, cache_aware) and SGLang's smg.
 
-Each arm is the peer's own binary, installed from PyPI (``pip install -e '.[peers]'``:
-``vllm-router==0.1.17``, ``sglang-router==0.3.2``), started as its own process(es) in front of
-the same simulated engines as kvrouter, on the ports kvrouter's routers use, so that the
-client (and haproxy, with several instances) reach them exactly as they reach kvrouter.
-A peer that is not installed is reported and skipped (:func:`missing`).
-
-What each needs, checked on those versions (``../shared/docs/peers-2026.md``):
-
-``vllm-kv`` — ``vllm-router --policy kv_aware``
-    consumes the engines' ZMQ KV events itself: map-era events (vLLM >= 0.24) with the empty
-    topic on a PUB socket the engine binds (it connects), replay over DEALER answered in the
-    4-frame layout ``[b"", topic, seq, payload]`` (``kvrouter replica --replay-layout
-    topic``); per worker ``--kv-event-source URL=tcp://…`` and ``--kv-event-replay-source
-    URL=tcp://…`` with URL byte-identical to its ``--worker-urls`` entry. It has no
-    tokenizer: every request is POSTed to every worker's ``/v1/chat/completions/render``.
-``vllm-cache`` — ``vllm-router --policy cache_aware``
-    an approximate token tree per worker, fed by the same render calls.
-``smg`` — ``smg launch --policy cache_aware``
-    SGLang's approximate text tree; ready when ``GET /readiness`` says so.
-
-Every instance gets its own Prometheus port; health is polled every second so a restarted
-engine comes back quickly.
+Each arm is the peer's own binary (``pip install -e '.[peers]'``), started as its own
+process(es) on the ports kvrouter's routers use, in front of the same simulated engines, so
+that the client (and haproxy, with several instances) reach it exactly as they reach
+kvrouter; a peer that is not installed is reported and skipped (:func:`missing`). What each
+needs: docs/benchmarks.md, "The real peers".
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Final
 
 from bench.harness import PolicyRun
+from bench.matrix.verdicts import Verdict
 from bench.summary import Summary, latencies_ms
-from bench.verdicts import Verdict
 from tracker.framework.errors import ConfigError
 
 INSTALL_HINT: Final = "pip install -e '.[bench]'"

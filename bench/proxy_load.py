@@ -1,13 +1,10 @@
 """Proxy throughput and per-chunk latency: the same requests through one router or direct.
 
-Starts the stack as local processes (:class:`bench.stack.LocalStack`: redis-server, two
-simulated engines in one ``kvrouter replica`` process, the tracker and one ``kvrouter
-router --redis``), then drives it from this process with an asyncio aiohttp client: a closed
-loop of non-streaming requests at a fixed concurrency (requests/s), and streams whose
-chunks are timestamped on arrival (time to first chunk, gaps between chunks). Each
-measurement runs directly against the engines (round-robin) and through the router, with
-the same client and the same kind of request bodies. Every process shares the machine's
-cores with the load generator, so CPU time per request is read from /proc for each of them.
+Starts a :class:`~bench.stack.local.LocalStack` (two simulated engines, Redis, the tracker,
+one router) and drives it from this process: a closed loop of non-streamed requests, and
+streams timestamped chunk by chunk, each straight to the engines and through the router, with
+every process's CPU per request read from /proc (the router benchmark's proxy part; the
+README, "Router").
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ from typing import Any, Final
 
 import aiohttp
 
-from bench.stack import LocalStack
-from bench.stack_config import StackConfig
+from bench.stack.config import StackConfig
+from bench.stack.local import LocalStack
 from router.upstream import KEEPALIVE_EXPIRY_S
 
 MODEL: Final = "default"
@@ -103,7 +100,7 @@ class CpuMeter:
     """CPU seconds spent by each process of the stack (and the load generator) in a span."""
 
     def __init__(self, stack: LocalStack) -> None:
-        self.pids: dict[str, int | None] = {name: stack.pid(name) for name in PROCESSES}
+        self.pids: dict[str, int | None] = {name: stack.processes.pid(name) for name in PROCESSES}
         self.pids["client"] = None
         self._start = self._read()
 
@@ -255,7 +252,10 @@ def decision_mean_ms(metrics: str) -> float | None:
 
 
 async def drive(stack: LocalStack, settings: ProxySettings) -> dict[str, Any]:
-    router, direct = Target("router", stack.router_urls), Target("direct", stack.replica_urls)
+    router, direct = (
+        Target("router", stack.layout.router_urls),
+        Target("direct", stack.layout.replica_urls),
+    )
     bodies = Bodies(settings.groups)
     # idle connections close before the servers' 5 s keep-alive timeout closes them under us
     connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=KEEPALIVE_EXPIRY_S)
@@ -283,7 +283,7 @@ async def drive(stack: LocalStack, settings: ProxySettings) -> dict[str, Any]:
         for name, results in rounds.items():
             out[name]["throughput"] = max(results, key=lambda r: r["rps"])
             out[name]["throughput_rounds"] = results
-        async with client.get(stack.router_urls[0] + "/metrics") as response:
+        async with client.get(stack.layout.router_urls[0] + "/metrics") as response:
             metrics = await response.text()
     out["router_decision_mean_ms"] = decision_mean_ms(metrics)
     return out

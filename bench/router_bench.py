@@ -1,15 +1,9 @@
 """Router benchmark: decision overhead per stage, proxy throughput and per-chunk latency.
 
-Run: ``.venv/bin/python -m bench.router_bench`` (``--quick`` for a short run). Decision
-overhead is measured through the router's own objects (:class:`router.app.Router` from
-:class:`~router.config.RouterSettings`, its :class:`~router.placement.Placer`; built by
-:mod:`bench.router_fixture`), against a
-private redis-server on loopback holding 8 replicas' placements of each prompt's prefix,
-with a byte-level BPE tokenizer trained at start (:mod:`bench.corpus`): repeated prefix + a
-new ~100-token question p99 <= 2 ms at 8k tokens and <= 10 ms at 100k; never-seen text <=
-1.2x the raw tokenizer (one HF ``encode`` of the rendered prompt, one thread). The proxy
-part (:mod:`bench.proxy_load`) starts real processes and compares the router with direct
-requests to the engines. Writes bench/results/router.json and prints two tables.
+The decision is timed through the router's own objects over a populated index (Redis or
+embedded), the data path by :mod:`bench.proxy_load`; method, targets and results are in the
+README ("Router"). ``python -m bench.router_bench`` writes bench/results/router.json and
+prints two tables.
 """
 
 from __future__ import annotations
@@ -17,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
 import os
 import random
 import statistics
@@ -28,31 +23,149 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
+from prometheus_client import CollectorRegistry
+
 from bench.corpus import Lexicon, train_tokenizer
-from bench.procs import RedisServer
 from bench.proxy_load import ProxySettings, measure, percentile, proxy_table
-from bench.router_fixture import (
-    BLOCK_SIZE,
-    MODEL,
-    QUESTION_TOKENS,
-    REPLICAS,
-    Bench,
-    Workload,
-    chat_request,
-    make_bench,
-    other_routers_load,
-    router_settings,
-    store,
-)
+from bench.stack.redis_servers import RedisServer
+from router.app import Router
 from router.config import RouterSettings
-from router.placement import Placement
+from router.placement import Placement, Placer
 from router.redis_load import RedisLoadBoard
+from router.requests import PromptRequest, parse
+from router.service import load_board
 from router.tokenize import TokenizerBook
+from tracker.core.backends import open_index
 from tracker.core.blocks import Namespace
+from tracker.core.events import BlockStored, EventBatch, ExternalHash
+from tracker.core.index import BlockIndex
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.cli import parse_argv
 from tracker.framework.errors import ConfigError
 from tracker.framework.settings import Settings, comma_list, setting
+
+MODEL: Final = "bench-model"
+BLOCK_SIZE: Final = 16
+REPLICAS: Final = 8
+QUESTION_TOKENS: Final = 100
+EVENT_BLOCKS: Final = 512  # blocks per BlockStored: one 8k-token chunked-prefill step
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class Workload:
+    """Conversations of a target size in tokens, drawn from a lexicon."""
+
+    lexicon: Lexicon
+    chars_per_token: float
+
+    def conversation(self, rng: random.Random, prefix_tokens: int) -> Messages:
+        """A system prompt (a quarter, at most 4k tokens) and user/assistant turns of <= 2k."""
+        system = min(prefix_tokens // 4, 4_000)
+        turns = max(2, 2 * math.ceil((prefix_tokens - system) / 4_000))
+        per_turn = (prefix_tokens - system) // turns
+        messages = [{"role": "system", "content": self._text(rng, system)}]
+        for turn in range(turns):
+            role = "user" if turn % 2 == 0 else "assistant"
+            messages.append({"role": role, "content": self._text(rng, per_turn)})
+        return messages
+
+    def question(self, rng: random.Random) -> dict[str, str]:
+        chars = round(QUESTION_TOKENS * self.chars_per_token)
+        return {"role": "user", "content": self.lexicon.question(rng, chars)}
+
+    def _text(self, rng: random.Random, tokens: int) -> str:
+        return self.lexicon.text(rng, round(tokens * self.chars_per_token))
+
+
+def chat_request(messages: Messages) -> PromptRequest:
+    """The request the router would parse from a client's body."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": 16}
+    return parse(msgspec.json.encode(body), "chat")
+
+
+async def store(index: BlockIndex, replica: str, tokens: Sequence[int], rng: random.Random) -> None:
+    """Index ``tokens``' full blocks on ``replica`` as its engine's prefill events would."""
+    namespace = Namespace(MODEL, BLOCK_SIZE)
+    parent: ExternalHash | None = None
+    whole = len(tokens) // BLOCK_SIZE
+    for start in range(0, whole, EVENT_BLOCKS):
+        count = min(EVENT_BLOCKS, whole - start)
+        hashes: list[ExternalHash] = [rng.getrandbits(63) for _ in range(count)]
+        chunk = list(tokens[start * BLOCK_SIZE : (start + count) * BLOCK_SIZE])
+        event = BlockStored(hashes, parent, chunk, BLOCK_SIZE, medium="GPU")
+        await index.apply(replica, namespace, EventBatch(time.time(), [event], 0))
+        parent = hashes[-1]
+
+
+async def populate_background(index: BlockIndex, blocks: int, seed: int) -> None:
+    """Unrelated cached prompts on every replica, so buckets hold what a fleet's would."""
+    rng = random.Random(seed)
+    for r in range(REPLICAS):
+        for _ in range(blocks // 2_048):
+            tokens = [rng.randrange(32_000) for _ in range(2_048 * BLOCK_SIZE)]
+            await store(index, f"replica-{r}", tokens, rng)
+
+
+@dataclass
+class Bench:
+    """One router (its placer, index and load board) and the text to feed it."""
+
+    name: str
+    router: Router
+    workload: Workload
+    index: BlockIndex
+
+    @property
+    def placer(self) -> Placer:
+        return self.router.placer
+
+    async def run(self, requests: Sequence[PromptRequest]) -> list[Placement]:
+        return [await self.placer.place(request) for request in requests]
+
+
+def router_settings(redis_url: str | None, tokenizer_dir: Path) -> RouterSettings:
+    """Settings of a router in front of 8 replicas (never contacted: no request is sent)."""
+    replicas = tuple(
+        f"replica-{r}=tcp://127.0.0.1:{9 + r},url=http://127.0.0.1:{9 + r}" for r in range(REPLICAS)
+    )
+    return RouterSettings(
+        redis=redis_url,
+        replica=replicas,
+        discover=False,
+        model=MODEL,
+        block_size=BLOCK_SIZE,
+        tokenizer=(str(tokenizer_dir),),
+        router_id="bench-router",
+        lookup_timeout_ms=1_000.0,
+    )
+
+
+async def other_routers_load(board: RedisLoadBoard) -> None:
+    """Another router's load on every replica, so every snapshot sums real entries."""
+    namespace = Namespace(MODEL, BLOCK_SIZE)
+    for r in range(REPLICAS):
+        for _ in range(r % 3 + 1):
+            board.acquire(namespace, f"replica-{r}", 1_000 * r)
+    await board.start()
+    for _ in range(500):  # the board pushes in the background
+        if board.stats.pushes:
+            return
+        await asyncio.sleep(0.01)
+    raise RuntimeError("the other router's load never reached redis")
+
+
+async def make_bench(
+    name: str, settings: RouterSettings, book: TokenizerBook, workload: Workload, blocks: int
+) -> Bench:
+    """A router over Redis (``settings.redis``) or the embedded index, with placements."""
+    index = open_index(settings.redis)
+    load = load_board(settings, index.client if isinstance(index, RedisIndex) else None)
+    router = Router(settings, index=index, registry=CollectorRegistry(), load=load, tokenizers=book)
+    await populate_background(index, blocks, seed=3)
+    return Bench(name, router, workload, index)
+
 
 STAGES: Final = ("tokenize", "hash", "lookup", "score", "total")
 # The router's default lookup budget. The benchmark lifts it to time whole lookups, and counts

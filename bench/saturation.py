@@ -1,41 +1,17 @@
-"""What each router costs as concurrency rises: kvrouter (with Redis as one process and as
-``--workers 2``, and embedded) and the real peers against the engines themselves, up to
-saturation.
+"""What each router costs as load rises, up to saturation: kvrouter (with Redis, as
+``--workers N``, with ``--local-index``, embedded) and the real peers (:mod:`bench.peers`)
+against the engines themselves, all in front of the same two simulated engines.
 
-Starts two simulated engines (one process each; every engine step takes ``--step-ms`` real
-milliseconds, so the engines are not the bottleneck), Redis, the tracker, one ``kvrouter
-router --redis`` per ``--workers`` value, one ``kvrouter router --redis --local-index`` (its
-own index fed by the engines' events, the load shared through Redis off the request path;
-``--no-local-index`` leaves it out), one embedded ``kvrouter router`` (its own index, no
-Redis, one process, as each peer keeps its own; ``--no-embedded`` leaves it out) and one
-instance of each installed peer (:mod:`bench.peers`), all in front of the same
-engines. The tracker and Redis serve the Redis arms and run throughout, so every arm shares
-the host with them. Then, per concurrency level (1, 8, 32, 128 by default) and per target, a
-closed loop keeps that many short streamed requests in flight for ``--seconds`` (a group's
-1,000-token system prompt and a new question: the builtin byte-level tokenizer, the same
-requests for every target), straight to the engines (round-robin) or through the router.
-Reported per target and level: completed requests/s, time to the first chunk (p50 / p95 /
-p99) and what it adds over the engines' own at the same level, the gap between chunks (p99),
-the router's CPU per request (its process tree, from /proc) and errors. A target's
-saturation is its best requests/s over the levels.
-
-``--rates`` adds open-loop levels: requests arrive as a Poisson process at each rate for
-``--seconds``, whatever the answers (the same arrival times for every target), so a router
-that falls behind is seen queueing instead of slowing its own load down. In a closed loop
-every target completes about the same requests/s and time moves between the first chunk
-and the rest of the stream; at a fixed offered rate TTFT compares like for like. A request
-that would exceed ``MAX_OPEN`` (:mod:`bench.load_loops`) in flight is counted as an error
-instead of being sent.
-
-Each level's ``--seconds`` per target are cut into ``--rounds`` turns over the targets (3 by
-default), so that outside load on the shared host falls on every target alike.
+Per level and target, a closed loop (``--concurrency``: that many streams in flight) or an
+open loop (``--rates``: Poisson arrivals, the same for every target, at most ``MAX_OPEN`` in
+flight), cut into ``--rounds`` turns over the targets. Reported per target and level:
+requests/s, time to the first chunk and what it adds over the engines' own, the gap between
+chunks, the router's CPU per request, errors. Method and results: docs/benchmarks.md
+("Rising load against the peers").
 
     python -m bench.saturation [--concurrency 1,8,32,128] [--rates 100,200,400,600]
         [--seconds 6] [--rounds 3] [--workers 1,2] [--no-local-index] [--no-embedded]
         [--peers smg,vllm-kv,vllm-cache] [--json FILE]
-
-Every process shares the machine's cores with the load generator (its CPU per request is
-reported too): compare targets within one run.
 """
 
 from __future__ import annotations
@@ -44,24 +20,110 @@ import asyncio
 import json
 import math
 import os
+import random
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
 
-from bench.load_loops import Level, closed_streams, open_streams
 from bench.overhead import EMBEDDED, LOCAL_INDEX, start_kvrouter, start_peers
 from bench.peers import installed, named
-from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, percentile
-from bench.stack import LocalStack
+from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, one_stream, percentile
+from bench.stack.local import LocalStack
 from router.upstream import KEEPALIVE_EXPIRY_S
 from tracker.framework.cli import parse_argv
 from tracker.framework.errors import ConfigError
 from tracker.framework.settings import Settings, comma_list, setting
 
 DIRECT: Final = "direct"
+MAX_OPEN: Final = 2048  # open-loop requests in flight at most (bounded load)
+
+
+@dataclass
+class Level:
+    """One level's samples."""
+
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+
+    async def sample(self, client: aiohttp.ClientSession, target: Target, body: Any) -> None:
+        """Send one stream; record its first chunk and the gaps between chunks, or an error."""
+        try:
+            times = await one_stream(client, target, body)
+        except (aiohttp.ClientError, TimeoutError):
+            times = []
+        if not times:
+            self.errors += 1
+            return
+        self.ttft.append(times[0])
+        self.gaps.extend(b - a for a, b in pairwise(times))
+
+
+async def closed_streams(
+    client: aiohttp.ClientSession,
+    target: Target,
+    bodies: Bodies,
+    *,
+    concurrency: int,
+    seconds: float,
+    output_tokens: int,
+    into: Level | None = None,
+) -> Level:
+    """``concurrency`` streams in flight until ``seconds`` have passed (none starts after);
+    the samples go ``into`` a level of earlier rounds when given."""
+    level = into if into is not None else Level()
+    deadline = time.monotonic() + seconds
+
+    async def worker() -> None:
+        while time.monotonic() < deadline:
+            await level.sample(client, target, bodies.make(output_tokens, stream=True))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    level.seconds += time.perf_counter() - start
+    return level
+
+
+async def open_streams(
+    client: aiohttp.ClientSession,
+    target: Target,
+    bodies: Bodies,
+    *,
+    rate: float,
+    seconds: float,
+    output_tokens: int,
+    into: Level | None = None,
+    round_: int = 0,
+) -> Level:
+    """Poisson arrivals at ``rate`` per second for ``seconds`` (seeded by the rate and the
+    round: every target gets the same arrival times), each a stream of its own; waits for
+    the last. The samples go ``into`` a level of earlier rounds when given."""
+    level = into if into is not None else Level()
+    inflight: set[asyncio.Task[None]] = set()
+    arrivals = random.Random(int(rate * 1000) + 7919 * round_)
+    start = time.perf_counter()
+    at = arrivals.expovariate(rate)
+    while at < seconds:
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if len(inflight) >= MAX_OPEN:
+            level.errors += 1
+        else:
+            body = bodies.make(output_tokens, stream=True)
+            task = asyncio.create_task(level.sample(client, target, body))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+        at += arrivals.expovariate(rate)
+    await asyncio.gather(*inflight)
+    level.seconds += time.perf_counter() - start
+    return level
 
 
 @dataclass(frozen=True)
@@ -277,23 +339,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         replica_processes=True,
     )
     with LocalStack(config).start() as stack:
-        targets: dict[str, list[str]] = {DIRECT: stack.replica_urls}
+        targets: dict[str, list[str]] = {DIRECT: stack.layout.replica_urls}
         pids: dict[str, int | None] = {}
         for count in workers:
             name = f"kvrouter-w{count}"
             targets[name] = [start_kvrouter(stack, name, workers=count, extra=extra)]
-            pids[name] = stack.pid(name)
+            pids[name] = stack.processes.pid(name)
         if settings.local_index:
             targets[LOCAL_INDEX] = [
                 start_kvrouter(stack, LOCAL_INDEX, workers=1, extra=extra, local_index=True)
             ]
-            pids[LOCAL_INDEX] = stack.pid(LOCAL_INDEX)
+            pids[LOCAL_INDEX] = stack.processes.pid(LOCAL_INDEX)
         if settings.embedded:
             targets[EMBEDDED] = [start_kvrouter(stack, EMBEDDED, workers=None, extra=extra)]
-            pids[EMBEDDED] = stack.pid(EMBEDDED)
+            pids[EMBEDDED] = stack.processes.pid(EMBEDDED)
         for name, url in start_peers(stack, peers).items():
             targets[name] = [url]
-            pids[name] = stack.pid(name)
+            pids[name] = stack.processes.pid(name)
         report = asyncio.run(drive(targets, pids, plan))
     print(render(report))
     if settings.json:

@@ -1,25 +1,10 @@
 """Benchmark workloads: conversations of turns with arrival times, each reproducible by seed.
 
-The simulated engines use the built-in byte-level tokenizer (one ASCII character is one
-token; ChatML special tokens), so a text of ``n`` characters is a prompt of ``n`` tokens and
-the lengths below are exact token counts of the message *contents*. Chat requests add the
-ChatML template (29 tokens for a system + user conversation); raw requests (the Mooncake
-replay) are ``/v1/completions`` prompts with no template.
-
-* ``gsp`` — SGLang ``bench_serving --dataset-name generated-shared-prefix``: ``groups``
-  system prompts of ``system_tokens``, ``prompts_per_group`` questions of ``question_tokens``
-  each, ``output_tokens`` out; requests shuffled (SGLang's default order).
-* ``llmd`` — llm-d's ``shared_prefix`` benchmark shape (inference-perf): ``groups`` x
-  ``users``, a long prefix and question, a long output (defaults 150 x 5, 6,000 + 1,200 →
-  1,000); the same generator as ``gsp`` with llm-d's numbers.
-* ``multiturn`` — multi-round chat (production-stack's multi-round QA shape): every user has
-  a shared system prompt, a private context document in the first message, then
-  ``rounds`` turns; each turn carries the whole history, including the engine's real answers.
-* ``nosharing`` — every prompt unique from its first token (routing must not regress).
-* ``trace`` — replay of a Mooncake FAST'25 JSONL trace (:mod:`bench.traces`).
-
-Arrivals: :func:`with_poisson_arrivals` assigns Poisson start times at a rate; a trace keeps
-its own timestamps. Times are simulated seconds (the harness scales them).
+``gsp`` (SGLang's generated shared prefix), ``llmd`` (llm-d's shared prefix shape),
+``multiturn`` (multi-round chat whose turns carry the engine's real answers), ``nosharing``
+and ``trace`` (a Mooncake JSONL trace, :mod:`bench.traces`); text is sized for the built-in
+byte-level tokenizer, one character a token. Shapes and defaults: docs/benchmarks.md,
+"Workloads".
 """
 
 from __future__ import annotations

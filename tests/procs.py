@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
-from bench.procs import RedisServer, free_port, free_ports, wait_for_port
+from bench.stack.ports import free_port, free_ports, wait_for_port
+from bench.stack.redis_servers import RedisServer
 
 __all__ = ["KVROUTER", "RedisServer", "free_port", "free_ports", "kvrouter_env", "wait_for_port"]
 

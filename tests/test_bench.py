@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 
 from bench.commands import QUICK, BenchSettings, plan, run
-from bench.demo import DemoSettings
-from bench.demo import run as demo
 from bench.fleet import FleetConfig
-from bench.matrix import MatrixSettings, run_cell
-from bench.matrix_report import full_tables
-from bench.stack_config import VllmEngines
-from bench.verdicts import Cell, verdict
+from bench.matrix.cells import Cell
+from bench.matrix.commands import MatrixSettings, run_cell
+from bench.matrix.report import full_tables
+from bench.matrix.verdicts import verdict
+from bench.stack.config import VllmEngines
+from bench.stack.demo import DemoSettings
+from bench.stack.demo import run as demo
 from tracker.framework.errors import ConfigError
 
 pytestmark = [

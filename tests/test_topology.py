@@ -1,4 +1,5 @@
-"""The deployed topology as real local processes (bench.stack.LocalStack): shared and embedded.
+"""The deployed topology as real local processes (:class:`bench.stack.local.LocalStack`):
+shared and embedded.
 
 Shared: redis-server, four simulated engines, one tracker, two routers and haproxy in TCP
 mode — what docker-compose.yml runs. Requests through haproxy must reach both routers and
@@ -20,8 +21,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stack import LocalStack
-from bench.stack_config import StackConfig
+from bench.stack.config import StackConfig
+from bench.stack.local import LocalStack
 from router.proxy import REPLICA_HEADER
 
 pytestmark = pytest.mark.timeout(60)
@@ -169,27 +170,27 @@ def test_haproxy_spreads_over_both_routers_and_prefixes_stay_colocated(
     stack_factory: Any,
 ) -> None:
     stack: LocalStack = stack_factory(replicas=4, routers=2)
-    assert stack.entry_url.endswith(f":{stack.haproxy_port}")
+    assert stack.layout.entry_url.endswith(f":{stack.layout.haproxy_port}")
 
-    answers = run_workload(stack.entry_url)
+    answers = run_workload(stack.layout.entry_url)
 
-    assert_colocated(answers, stack.router_urls)
-    per_router = [chat_requests(url) for url in stack.router_urls]
+    assert_colocated(answers, stack.layout.router_urls)
+    per_router = [chat_requests(url) for url in stack.layout.router_urls]
     assert sum(per_router) == GROUPS * PER_GROUP, per_router
     assert all(count > 0 for count in per_router), per_router
-    for url in stack.router_urls:  # both read the same shared index
+    for url in stack.layout.router_urls:  # both read the same shared index
         assert_indexed_from_events(url, answers)
 
 
 def test_embedded_router_without_redis_colocates_too(stack_factory: Any) -> None:
     stack: LocalStack = stack_factory(redis=False, routers=1, haproxy=False)
-    assert stack.redis_url is None and stack.entry_url == stack.router_urls[0]
+    assert stack.layout.redis_url is None and stack.layout.entry_url == stack.layout.router_urls[0]
 
-    answers = run_workload(stack.entry_url)
+    answers = run_workload(stack.layout.entry_url)
 
-    assert_colocated(answers, stack.router_urls)
-    assert chat_requests(stack.entry_url) == GROUPS * PER_GROUP
-    assert_indexed_from_events(stack.entry_url, answers)
+    assert_colocated(answers, stack.layout.router_urls)
+    assert chat_requests(stack.layout.entry_url) == GROUPS * PER_GROUP
+    assert_indexed_from_events(stack.layout.entry_url, answers)
 
 
 @pytest.mark.redis
@@ -203,14 +204,14 @@ def test_two_routers_keep_each_group_home_under_eviction_pressure(stack_factory:
     served: dict[int, list[Answer]] = {g: [] for g in range(groups)}
     for k in range(rounds):
         for group in range(groups):
-            served[group].append(send(stack.entry_url, chat(group, k)))
+            served[group].append(send(stack.layout.entry_url, chat(group, k)))
     evicted = sum(
         a.cached_tokens < PREFIX_TOKENS - BLOCK_SIZE for g in served.values() for a in g[1:]
     )
     assert evicted >= groups, served  # the pressure is real: homes do not keep the blocks
     engines = {g: {a.replica for a in answers} for g, answers in served.items()}
     spread = sum(len(e) for e in engines.values()) / groups
-    why = (engines, router_counters(stack.router_urls))
+    why = (engines, router_counters(stack.layout.router_urls))
     assert spread <= 1.25, why
     for answers in served.values():  # and the groups share the engines evenly
         assert sum(a.replica == answers[0].replica for a in answers) >= rounds - 1, why
@@ -224,8 +225,12 @@ def test_a_started_stack_entered_again_leaves_no_process_behind(tmp_path: Path) 
         replicas=1, routers=1, redis=False, haproxy=False, time_scale=0.02, workdir=tmp_path
     )
     with LocalStack(config).start(timeout_s=30) as stack:
-        pids = [pid for name in stack.names() if (pid := stack.pid(name)) is not None]
+        pids = [
+            pid
+            for name in stack.processes.names()
+            if (pid := stack.processes.pid(name)) is not None
+        ]
         assert len(pids) == 2  # one engine process, one router
-        assert httpx.get(f"{stack.entry_url}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{stack.layout.entry_url}/health", timeout=5).status_code == 200
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists(), f"process {pid} outlived the stack"

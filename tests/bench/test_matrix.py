@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from bench.commands import BenchSettings, plan
-from bench.matrix import MatrixSettings, load_verdicts, result_path
-from bench.matrix_cells import AXES, cells
-from bench.matrix_report import (
+from bench.matrix.cells import AXES, Cell, cells
+from bench.matrix.commands import MatrixSettings, load_verdicts, result_path
+from bench.matrix.report import (
     README_BEGIN,
     README_END,
     axis_table,
@@ -19,9 +19,9 @@ from bench.matrix_report import (
     replace_section,
     report,
 )
+from bench.matrix.verdicts import verdict
 from bench.report import document
 from bench.summary import Summary
-from bench.verdicts import Cell, verdict
 from tracker.framework.errors import ConfigError
 
 

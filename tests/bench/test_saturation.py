@@ -11,9 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.load_loops import open_streams
 from bench.proxy_load import PATH, Bodies, Target
-from bench.saturation import main, render
+from bench.saturation import main, open_streams, render
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 

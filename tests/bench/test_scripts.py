@@ -13,7 +13,7 @@ from bench.overhead import OverheadSettings
 from bench.report import ReportSettings
 from bench.router_bench import RouterBenchSettings
 from bench.saturation import SaturationSettings
-from bench.stack import StackSettings
+from bench.stack.config import StackSettings
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings
 

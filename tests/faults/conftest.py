@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.stack import LocalStack
+from bench.stack.local import LocalStack
 from tests.faults.drill import Drill, drill_config
 
 DrillFactory = Callable[..., Awaitable[Drill]]

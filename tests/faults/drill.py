@@ -1,6 +1,6 @@
 """The stack a fault drill runs on, and what a drill observes about it.
 
-A :class:`Drill` is a :class:`bench.stack.LocalStack` of real processes — redis-server, one
+A :class:`Drill` is a :class:`bench.stack.local.LocalStack` of real processes — redis-server, one
 ``kvrouter replica`` process per simulated engine, the tracker, two routers behind haproxy —
 plus probes: the routers' view of replicas and load, the tracker's metrics, each process's
 memory, file descriptors and threads, and the consistency check: every engine's real prefix
@@ -23,10 +23,9 @@ from typing import Any, Final, Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import sync_redis
-from bench.sentinels import sentinel_primary_port, sentinel_view
-from bench.stack import LocalStack
-from bench.stack_config import StackConfig
+from bench.stack.config import StackConfig
+from bench.stack.local import LocalStack
+from bench.stack.redis_servers import sentinel_primary_port, sentinel_view, sync_redis
 from tests.faults.workload import MODEL, Workload
 from tracker.core.blocks import Namespace
 from tracker.core.keys import NamespaceKeys, bucket_entries
@@ -124,23 +123,23 @@ class Drill:
     def __init__(self, stack: LocalStack) -> None:
         self.stack = stack
         self.http = httpx.AsyncClient(timeout=5.0)
-        assert stack.redis_url is not None
-        self.redis_url = stack.redis_url
+        assert stack.layout.redis_url is not None
+        self.redis_url = stack.layout.redis_url
 
     @property
     def entry_url(self) -> str:
-        return self.stack.entry_url
+        return self.stack.layout.entry_url
 
     @property
     def tracker_url(self) -> str:
-        return f"http://127.0.0.1:{self.stack.tracker_port}"
+        return f"http://127.0.0.1:{self.stack.layout.tracker_port}"
 
     def engine(self, i: int) -> str:
         """Process name of engine ``i``."""
         return f"replica-{i}"
 
     def replica_id(self, i: int) -> str:
-        return self.stack.replica_ids[i]
+        return self.stack.layout.replica_ids[i]
 
     def workload(self, **overrides: Any) -> Workload:
         return Workload(self.entry_url, **overrides)
@@ -151,10 +150,10 @@ class Drill:
     # ------------------------------------------------------------------ process control
 
     async def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        await asyncio.to_thread(self.stack.kill, name, sig)
+        await asyncio.to_thread(self.stack.processes.kill, name, sig)
 
     async def restart(self, name: str) -> None:
-        await asyncio.to_thread(self.stack.restart, name, 30.0)
+        await asyncio.to_thread(self.stack.processes.restart, name, 30.0)
 
     async def warm_up(self) -> None:
         """Warm every process's request path before the routers measure anything.
@@ -165,26 +164,26 @@ class Drill:
         then one dry-run placement per router opens its Redis connection and loads scripts.
         """
         body = {"model": MODEL, "messages": [{"role": "user", "content": "warm-up"}]}
-        for url in self.stack.replica_urls:
+        for url in self.stack.layout.replica_urls:
             warm = {**body, "max_tokens": 1}
             for stream in (False, True):
                 response = await self.http.post(
                     f"{url}/v1/chat/completions", json={**warm, "stream": stream}
                 )
                 assert response.status_code == 200, response.text
-        for url in self.stack.router_urls:
+        for url in self.stack.layout.router_urls:
             assert (await self.http.post(f"{url}/index", json=body)).status_code == 200
 
     # ------------------------------------------------------------------ probes
 
     async def router_health(self, i: int) -> dict[str, Any]:
-        response = await self.http.get(f"{self.stack.router_urls[i]}/health")
+        response = await self.http.get(f"{self.stack.layout.router_urls[i]}/health")
         body: dict[str, Any] = response.json()
         return body
 
     async def router_replicas(self, i: int) -> dict[str, dict[str, Any]]:
         """Router ``i``'s view: replica id -> health and the load every router shares."""
-        body = (await self.http.get(f"{self.stack.router_urls[i]}/replicas")).json()
+        body = (await self.http.get(f"{self.stack.layout.router_urls[i]}/replicas")).json()
         return {r["id"]: r for r in body["replicas"]}
 
     async def metrics(self, url: str) -> dict[tuple[str, Any], float]:
@@ -220,18 +219,18 @@ class Drill:
 
     async def engines_idle(self, engines: Iterable[int]) -> bool:
         for i in engines:
-            url = self.stack.replica_urls[i]
+            url = self.stack.layout.replica_urls[i]
             if not (await self.http.get(f"{url}/kvrouter/cached_blocks")).json()["idle"]:
                 return False
         return True
 
     def sentinel_primary(self) -> int:
         """The port of the Redis server the stack's Sentinels name as primary now."""
-        return sentinel_primary_port(self.stack.sentinel_ports[0])
+        return sentinel_primary_port(self.stack.layout.sentinel_ports[0])
 
     def sentinel_views(self) -> dict[int, dict[str, Any]]:
         """Each Sentinel's view of the service (for a failure's message)."""
-        return {port: sentinel_view(port) for port in self.stack.sentinel_ports}
+        return {port: sentinel_view(port) for port in self.stack.layout.sentinel_ports}
 
     def shared_load(self, router_id: str) -> int:
         """Requests ``router_id`` still holds on the shared load board (unexpired entries)."""
@@ -250,15 +249,15 @@ class Drill:
 
     async def inject(self, i: int, **fault: int) -> None:
         """``POST /kvrouter/faults`` on engine ``i`` (event loss)."""
-        url = f"{self.stack.replica_urls[i]}/kvrouter/faults"
+        url = f"{self.stack.layout.replica_urls[i]}/kvrouter/faults"
         response = await self.http.post(url, json=fault)
         assert response.status_code == 200, response.text
 
     def resources(self) -> dict[str, dict[str, int]]:
         """:func:`process_stats` of every running process of the stack."""
         out = {}
-        for name in self.stack.names():
-            pid = self.stack.pid(name)
+        for name in self.stack.processes.names():
+            pid = self.stack.processes.pid(name)
             if pid is not None and Path(f"/proc/{pid}").exists():
                 out[name] = process_stats(pid)
         return out
@@ -284,7 +283,7 @@ class Drill:
         return held
 
     async def cached(self, i: int) -> set[int]:
-        url = f"{self.stack.replica_urls[i]}/kvrouter/cached_blocks"
+        url = f"{self.stack.layout.replica_urls[i]}/kvrouter/cached_blocks"
         return set((await self.http.get(url)).json()["keys"])
 
     async def consistency(self, checks: dict[int, Check], timeout_s: float = 15.0) -> Consistency:

@@ -50,7 +50,7 @@ async def test_client_disconnect_mid_stream_cancels_the_engine_request(
     seen = Seen()
 
     async def fault() -> None:
-        seen.metrics = [await drill.metrics(url) for url in drill.stack.router_urls]
+        seen.metrics = [await drill.metrics(url) for url in drill.stack.layout.router_urls]
         # 6000 tokens: two minutes of decoding each, unless the engine aborts them
         seen.gone = list(await asyncio.gather(*(hang_up(workload, g, 3) for g in range(3))))
         seen.at = time.monotonic()
@@ -62,7 +62,7 @@ async def test_client_disconnect_mid_stream_cancels_the_engine_request(
     assert not failures(workload.results), failures(workload.results)[:5]
     # the routers counted the disconnects and released their load
     before = seen.metrics
-    after = [await drill.metrics(url) for url in drill.stack.router_urls]
+    after = [await drill.metrics(url) for url in drill.stack.layout.router_urls]
     disconnects = sum(
         metric_sum(a, "kvrouter_router_client_disconnects_total")
         - metric_sum(b, "kvrouter_router_client_disconnects_total")

@@ -76,7 +76,7 @@ async def test_tracker_sigkilled_standby_takes_over_within_its_lease(
 ) -> None:
     drill = await drill_factory(tracker_lease_s=TRACKER_LEASE_S)
     workload = drill.workload()
-    standby = f"http://127.0.0.1:{drill.stack.standby_tracker_port}"
+    standby = f"http://127.0.0.1:{drill.stack.layout.standby_tracker_port}"
 
     async def role(url: str) -> str:
         return str((await drill.http.get(f"{url}/health")).json()["role"])
@@ -144,7 +144,7 @@ async def test_redis_killed_and_restarted_empty_routers_fail_open_index_rebuilt(
     marks = await run_drill(workload, fault)
     assert_all_completed(workload.results)
     fallbacks = 0.0
-    for url in drill.stack.router_urls:
+    for url in drill.stack.layout.router_urls:
         fallbacks += metric_sum(await drill.metrics(url), "kvrouter_router_fallbacks_total")
     assert fallbacks >= 1, "no request was routed without the index"
     _, consistency = await settle(drill, range(ENGINES), ALL_EXACT)
@@ -172,7 +172,7 @@ async def test_redis_primary_sigkilled_sentinel_promotes_replica_index_exact(
     drill = await drill_factory(sentinel=True)
     workload = drill.workload()
     state: dict[str, float] = {}
-    old = drill.stack.redis_port
+    old = drill.stack.layout.redis_port
     assert await asyncio.to_thread(drill.sentinel_primary) == old
 
     async def fault() -> float:
@@ -199,9 +199,9 @@ async def test_redis_primary_sigkilled_sentinel_promotes_replica_index_exact(
 
     marks = await run_drill(workload, fault)
     assert_all_completed(workload.results)
-    assert await asyncio.to_thread(drill.sentinel_primary) == drill.stack.redis_replica_port
+    assert await asyncio.to_thread(drill.sentinel_primary) == drill.stack.layout.redis_replica_port
     fallbacks = 0.0
-    for url in drill.stack.router_urls:
+    for url in drill.stack.layout.router_urls:
         fallbacks += metric_sum(await drill.metrics(url), "kvrouter_router_fallbacks_total")
     tracker = await drill.tracker_metrics()
     reconciled = metric_sum(tracker, "kvrouter_tracker_index_restores_total")
@@ -284,7 +284,9 @@ async def test_lost_events_gap_is_replayed_or_the_replica_resynced(
 
     async def fault() -> None:
         seen.victim, _ = busiest(workload, time.monotonic() - 3)
-        await drill.inject(drill.stack.replica_ids.index(seen.victim), **{f"{kind}_events": 3})
+        await drill.inject(
+            drill.stack.layout.replica_ids.index(seen.victim), **{f"{kind}_events": 3}
+        )
 
     marks = await run_drill(workload, fault)
     assert_all_completed(workload.results)
@@ -299,7 +301,7 @@ async def test_lost_events_gap_is_replayed_or_the_replica_resynced(
     else:
         assert metric_sum(tracker, "kvrouter_tracker_resets_total", cause="unrecoverable_gap")
         # what the engine cached before the gap and still holds cannot be learned again
-        checks[drill.stack.replica_ids.index(victim)] = "subset"
+        checks[drill.stack.layout.replica_ids.index(victim)] = "subset"
         fault_id, title = "6b", "3 event batches lost beyond the replay buffer"
     _, consistency = await settle(drill, range(ENGINES), checks)
     notes = (

@@ -54,13 +54,13 @@ async def test_engine_sigkilled_mid_stream(drill_factory: DrillFactory) -> None:
 
     async def fault() -> None:
         seen.victim, seen.streams = await long_streams(workload, range(4), LONG_TOKENS)
-        await drill.kill(drill.engine(drill.stack.replica_ids.index(seen.victim)))
+        await drill.kill(drill.engine(drill.stack.layout.replica_ids.index(seen.victim)))
         seen.at = time.monotonic()  # the process is gone (reaped)
 
     marks = await run_drill(workload, fault)
     victim, killed_at = seen.victim, seen.at
     streams = [await t for t in seen.streams]
-    dead = drill.stack.replica_ids.index(victim)
+    dead = drill.stack.layout.replica_ids.index(victim)
 
     # the long streams that were on the victim ended with an error event, the others finished
     on_victim = [r for r in streams if r.replica == victim]
@@ -106,7 +106,7 @@ async def test_engine_crash_restarts_with_an_empty_cache(drill_factory: DrillFac
 
     async def fault() -> float:
         seen.victim, _ = busiest(workload, time.monotonic() - 3)
-        i = drill.stack.replica_ids.index(seen.victim)
+        i = drill.stack.layout.replica_ids.index(seen.victim)
         await drill.kill(drill.engine(i))
         seen.at = time.monotonic()
         await drill.restart(drill.engine(i))  # same ports, new instance, seq from 0, no cache
@@ -176,7 +176,7 @@ async def test_engine_stalls_timeouts_fire_and_it_leaves_rotation(
 
     async def fault() -> float:
         seen.victim, seen.streams = await long_streams(workload, range(1), LONG_TOKENS)
-        i = drill.stack.replica_ids.index(seen.victim)
+        i = drill.stack.layout.replica_ids.index(seen.victim)
         # the process keeps its sockets: connections are accepted, nothing ever answers
         seen.at = time.monotonic()
         await drill.kill(drill.engine(i), signal.SIGSTOP)

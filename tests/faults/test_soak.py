@@ -78,13 +78,13 @@ async def test_soak_flat_memory_no_leaked_load_sockets_or_threads(
     samples.append((time.monotonic(), await asyncio.to_thread(drill.resources)))
     warmed_at = marks.fault_at + SOAK_S / 3
 
-    assert set(samples[-1][1]) == set(drill.stack.names()), "a process died"
+    assert set(samples[-1][1]) == set(drill.stack.processes.names()), "a process died"
     bad = [r for r in workload.results if r.outcome != "completed"]
     assert not bad, [(r.outcome, r.detail) for r in bad[:10]]
     assert max_inflight <= workload.clients, max_inflight
     report: dict[str, dict[str, int]] = {}
     problems = []
-    for name in drill.stack.names():
+    for name in drill.stack.processes.names():
         rss0, rss1 = growth(samples, name, "rss_kb", warmed_at)
         fds0, fds1 = growth(samples, name, "fds", warmed_at)
         thr0, thr1 = growth(samples, name, "threads", warmed_at)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import pytest
 import redis.asyncio as redis
 
-from bench.procs import RedisServer
+from bench.stack.redis_servers import RedisServer
 from router.load import Load, LoadBoard
 from router.redis_load import VIEW_MAX_AGE_S, RedisLoadBoard, new_router_id
 from tests.factories import LOAD as NS

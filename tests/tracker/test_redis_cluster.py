@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from bench.procs import RedisClusterNodes, sync_redis
+from bench.stack.redis_servers import RedisClusterNodes, sync_redis
 from router.redis_load import RedisLoadBoard, new_router_id
 from tests.factories import LLAMA, batch
 from tests.tracker.redis_ops import SEQ, exercise, matches, remove, store

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 import redis
 
-from bench.sentinels import SENTINEL_SERVICE, RedisSentinels
+from bench.stack.redis_servers import SENTINEL_SERVICE, RedisSentinels
 from tests.factories import LLAMA, batch
 from tests.procs import RedisServer
 from tests.tracker.redis_ops import OTHER, SEQ, matches, remove, store

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from bench.demo import DemoSettings
-from bench.demo import run as demo
+from bench.stack.demo import DemoSettings
+from bench.stack.demo import run as demo
 from tests.vllm.conftest import MODEL, VLLM
 
 pytestmark = pytest.mark.timeout(900)

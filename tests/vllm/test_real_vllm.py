@@ -21,8 +21,8 @@ import openai
 import pytest
 import redis
 
-from bench.stack import LocalStack
-from bench.stack_config import StackConfig, VllmEngines
+from bench.stack.config import StackConfig, VllmEngines
+from bench.stack.local import LocalStack
 from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.vllm.conftest import MODEL, VLLM
 
@@ -81,7 +81,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 def test_the_attach_shim_registers_each_vllm(stack: LocalStack) -> None:
-    for url in stack.router_urls:
+    for url in stack.layout.router_urls:
         listed = httpx.get(f"{url}/replicas", timeout=5).json()["replicas"]
         assert sorted((r["id"], r["source"]) for r in listed) == [
             ("replica-0", "registry"),
@@ -103,7 +103,7 @@ def chat(n: int, question: str, **extra: Any) -> dict[str, Any]:
 
 
 def test_openai_sdk_plain_and_streaming(stack: LocalStack) -> None:
-    client = openai.OpenAI(base_url=f"{stack.entry_url}/v1", api_key="none", max_retries=0)
+    client = openai.OpenAI(base_url=f"{stack.layout.entry_url}/v1", api_key="none", max_retries=0)
     answer = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "hello"}], max_tokens=4
     )
@@ -125,7 +125,7 @@ def test_predicted_cached_tokens_equal_vllms_under_eviction(stack: LocalStack) -
     each request's cached tokens against vLLM's ``usage.prompt_tokens_details``."""
     rng = random.Random(7)
     rows = []
-    with httpx.Client(base_url=stack.entry_url, timeout=120) as client:
+    with httpx.Client(base_url=stack.layout.entry_url, timeout=120) as client:
         for i in range(40):
             # steady state: the engines' events of the last request have reached the index
             # (back to back, 1 request in 34 raced them on this 2-core machine: vLLM's
@@ -153,7 +153,7 @@ def test_predicted_cached_tokens_equal_vllms_under_eviction(stack: LocalStack) -
 
 
 def test_index_shows_where_a_prompt_is_cached(stack: LocalStack) -> None:
-    with httpx.Client(base_url=stack.entry_url, timeout=120) as client:
+    with httpx.Client(base_url=stack.layout.entry_url, timeout=120) as client:
         body = chat(0, "where am I cached?")
         sent = client.post("/v1/chat/completions", json=body)
         assert sent.status_code == 200
@@ -164,7 +164,7 @@ def test_index_shows_where_a_prompt_is_cached(stack: LocalStack) -> None:
 
 
 def _tracker_health(stack: LocalStack) -> dict[str, Any]:
-    body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{stack.tracker_port}/health").json()
+    body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{stack.layout.tracker_port}/health").json()
     return body
 
 
@@ -180,7 +180,7 @@ def test_an_engine_restart_fences_its_blocks(stack: LocalStack) -> None:
     expires with its heartbeats, the tracker drops what the old process held before the new
     one publishes anything, and indexes the new process's blocks."""
     old, new = chat(3, "before the restart"), chat(4, "after the restart")
-    with httpx.Client(base_url=stack.entry_url, timeout=120) as client:
+    with httpx.Client(base_url=stack.layout.entry_url, timeout=120) as client:
         placed = client.post("/v1/chat/completions", json=old).headers[REPLICA_HEADER]
 
         def held(body: dict[str, Any]) -> int:
@@ -189,15 +189,15 @@ def test_an_engine_restart_fences_its_blocks(stack: LocalStack) -> None:
 
         _wait(lambda: held(old) >= 3000, 30, "the old process's blocks are indexed")
         index = int(placed.rsplit("-", 1)[1])
-        pid = stack.pid(f"vllm-{index}")
+        pid = stack.processes.pid(f"vllm-{index}")
         assert pid is not None
         os.killpg(pid, signal.SIGKILL)  # the API server and its engine core child
-        stack.kill(f"vllm-{index}")
-        stack.restart(f"vllm-{index}", timeout_s=180)
+        stack.processes.kill(f"vllm-{index}")
+        stack.processes.restart(f"vllm-{index}", timeout_s=180)
         _wait(lambda: held(old) == 0, 30, "the old process's blocks were fenced")
         # the new process publishes from sequence 0 with its first request
         direct = httpx.post(
-            f"{stack.replica_urls[index]}/v1/chat/completions", json=new, timeout=120
+            f"{stack.layout.replica_urls[index]}/v1/chat/completions", json=new, timeout=120
         )
         assert direct.status_code == 200
         _wait(lambda: held(new) >= 3000, 30, "the new process's blocks are indexed")
@@ -215,16 +215,16 @@ def test_a_tracker_that_joins_late_rebuilds_the_index_from_vllms_replay(
     has no checkpoint, so it asks each vLLM's replay socket for every batch from sequence 0
     and rebuilds what each cache holds now, evictions included."""
     body = chat(5, "cached before the tracker came")
-    with httpx.Client(base_url=stack.entry_url, timeout=120) as client:
+    with httpx.Client(base_url=stack.layout.entry_url, timeout=120) as client:
         sent = client.post("/v1/chat/completions", json=body)
         assert sent.status_code == 200, sent.text
         holder = sent.headers[REPLICA_HEADER]
-        stack.kill("tracker")
-        with redis.Redis(port=stack.redis_port) as r:
+        stack.processes.kill("tracker")
+        with redis.Redis(port=stack.layout.redis_port) as r:
             r.flushall()  # the index, the checkpoints, the registry: all gone
 
         def ready() -> bool:  # the shims re-register within a heartbeat
-            for url in stack.router_urls:
+            for url in stack.layout.router_urls:
                 listed = httpx.get(f"{url}/replicas", timeout=5).json()["replicas"]
                 if len(listed) != 2:
                     return False
@@ -236,7 +236,7 @@ def test_a_tracker_that_joins_late_rebuilds_the_index_from_vllms_replay(
         ) in (0, None)  # nothing indexed: nobody applies events
         log_path = stack.workdir / "tracker.log"
         before = log_path.stat().st_size
-        stack.restart("tracker", timeout_s=60)
+        stack.processes.restart("tracker", timeout_s=60)
 
         def held() -> int:
             where = client.post("/index", json=body).json()["replicas"].get(holder, {})
@@ -282,7 +282,7 @@ def test_a_connecting_vllm_endpoint_is_noticed_and_the_index_stays_right(
     """The misconfiguration that passes every simulated test: ``tcp://127.0.0.1:P`` makes
     vLLM connect, the tracker's SUB connects too, and no live event ever flows."""
     stack = silent_stack
-    with httpx.Client(base_url=stack.entry_url, timeout=120) as client:
+    with httpx.Client(base_url=stack.layout.entry_url, timeout=120) as client:
         body = chat(2, "is anyone listening?")
         assert client.post("/v1/chat/completions", json=body).status_code == 200
 
@@ -296,7 +296,7 @@ def test_a_connecting_vllm_endpoint_is_noticed_and_the_index_stays_right(
         answer = client.post("/v1/chat/completions", json=body)
         cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert int(answer.headers[PREDICTED_HEADER]) == cached > 0
-    metrics = httpx.get(f"http://127.0.0.1:{stack.tracker_port}/metrics").text
+    metrics = httpx.get(f"http://127.0.0.1:{stack.layout.tracker_port}/metrics").text
     assert 'kvrouter_tracker_replica_live_silent{replica="replica-0"} 1.0' in metrics
     log = (stack.workdir / "tracker.log").read_text()
     assert "live events are silent" in log and "tcp://*:P" in log

@@ -1,13 +1,9 @@
-"""``kvrouter demo``: the stack on this machine; one short workload via round-robin and kvrouter.
+"""``kvrouter demo``: the local stack, and one short shared-prefix workload through
+round-robin and then kvrouter, side by side (``kvrouter bench --quick`` with two policies).
 
-Starts redis-server, simulated engines, the tracker, two routers and haproxy on loopback
-(or, with ``--embedded``, one router with its in-process tracker and no Redis), then replays
-the same shared-prefix workload (same arrivals, caches emptied in between) first with the
-routers in round-robin mode and then with kvrouter's policy, and prints both side by side:
-TTFT, the engines' own prefix-cache hit rate, and how many engines each prompt group was
-spread over. It is ``kvrouter bench --quick`` with two policies and a shorter report.
-With ``--vllm`` the engines are real vLLM servers (the CPU build ``scripts/vllm-install``
-makes, serving its tiny model) and the times are real milliseconds.
+It prints TTFT, the engines' own prefix-cache hit rate and how many engines each prompt
+group was spread over. ``--embedded``: one router with its in-process tracker, no Redis;
+``--vllm``: real vLLM engines (``scripts/vllm-install``), real milliseconds.
 """
 
 from __future__ import annotations
@@ -113,8 +109,8 @@ def run(settings: DemoSettings) -> int:
     console = Console()
     console.plan(chosen)
     harness = Harness(chosen.fleet, chosen.workload, chosen.policies, console)
-    stack = harness.stack
-    console.out.print(f"entry point {stack.entry_url}; engines {', '.join(stack.replica_urls)}")
+    layout = harness.stack.layout
+    console.out.print(f"entry point {layout.entry_url}; engines {', '.join(layout.replica_urls)}")
     runs = harness.run()
     console.out.print()
     compare(runs, chosen.fleet.time_scale, console.out)

@@ -1,12 +1,47 @@
 """The scenario matrix's cells: the axes, the base scenario each axis varies one thing of, and
-the settings of every cell (what ``kvrouter matrix`` runs; :mod:`bench.matrix` describes it)."""
+every cell (:class:`Cell`: its label on its axis and its ``kvrouter bench`` settings)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
-from bench.verdicts import Cell
+
+@dataclass(frozen=True)
+class Cell:
+    """One scenario: a label on its axis and the ``kvrouter bench`` settings that make it.
+
+    :param events: only event-driven state knows the truth here (several routers, eviction
+        pressure, outside traffic, restarts): kvrouter must beat the best peer outright.
+    :param seeds: passes, each with the workload and arrivals of its own seed (the bench's
+        seed, then the next ones), every policy in each; the cell's numbers pool them.
+    """
+
+    axis: str
+    label: str
+    settings: dict[str, Any]
+    events: bool = False
+    seeds: int = 1
+
+    @property
+    def digest(self) -> str:
+        """Of what is run: cells of equal settings (on two axes) share one run."""
+        run = self.settings if self.seeds == 1 else {**self.settings, "seeds": self.seeds}
+        return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:8]
+
+    @property
+    def key(self) -> str:
+        """Names the result file."""
+        return f"{_slug(self.axis)}-{_slug(self.label)}-{self.digest}"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
 
 AXES: Final = ("cache", "load", "routers", "bypass", "restart", "conversation")
 # 10 groups x 32: 3 % of the requests are their group's first (cold), so TTFT p95 measures
@@ -25,14 +60,13 @@ BASE_RATE: Final = 8.0  # req/s: light on a roomy cache, beyond cache-blind at 4
 PRESSURE: Final = 700  # blocks: the 10 prefixes (3,010 blocks) do not fit in 4 x 700
 # Where the caches hold every prefix at light load, every prefix-aware router keeps each
 # group home and the verdict turns on a few milliseconds of p95, which one pass does not
-# settle (1,024 blocks: smg's p95 was 54.7, 73.3 and 61.0 ms in three seeds' passes), and
-# the best of three peers' noisy values sits below what each would give (4,096 blocks: the
-# best peer's p95 52.3-53.4 pass by pass, 54.8 pooled). Those cells pool three seeds.
+# settle, and the best of three peers' noisy values sits below what each would give: those
+# cells pool three seeds (docs/benchmarks.md, "Seeds").
 LIGHT_SEEDS: Final = 3
 
 
 def cells(axes: Sequence[str] = AXES) -> list[Cell]:
-    """The matrix (see :mod:`bench.matrix`), for the axes asked for."""
+    """The matrix's cells on the axes asked for."""
     base = {**BASE, "rate": BASE_RATE}
     pressure = {**base, "num_blocks": PRESSURE}
     out: list[Cell] = []

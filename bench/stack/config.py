@@ -1,5 +1,6 @@
 """What the local stack runs: its shape (:class:`StackConfig`: engines, routers, Redis and
-Sentinels, trackers, haproxy) and the real vLLM engines it can run instead of simulated ones."""
+Sentinels, trackers, haproxy), the real vLLM engines it can run instead of simulated ones, and
+the flags of ``python -m bench.stack`` (:class:`StackSettings`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from publishers.config import EngineShape
+from tracker.framework.settings import Settings, setting
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,43 @@ class StackConfig(EngineShape):
     tracker_args: tuple[str, ...] = ()
     workdir: Path | None = None
     # one `kvrouter replica` process per engine (named replica-0 ..), so that a fault can hit
-    # one engine; engine i's id is then replica-i-0 (see LocalStack.replica_ids)
+    # one engine; engine i's id is then replica-i-0 (see StackLayout.replica_ids)
     replica_processes: bool = False
     # real vLLM engines instead (named vllm-0 ..): registered by kvrouter's shim inside vLLM
     # (VllmEngines.attach), or else given to every process with --replica
     vllm: VllmEngines | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StackSettings(Settings):
+    """``python -m bench.stack``: the local stack's shape, from flags (defaults: StackConfig's)."""
+
+    PART = "STACK"
+
+    replicas: int = setting(StackConfig.replicas, "simulated engines")
+    routers: int = setting(StackConfig.routers, "routers (behind haproxy when more than 1)")
+    redis: bool = setting(
+        StackConfig.redis, "Redis and a tracker (--no-redis: embedded, one router)"
+    )
+    haproxy: bool = setting(
+        StackConfig.haproxy, "haproxy in front (--no-haproxy: clients talk to router-0)"
+    )
+    model: str = setting(StackConfig.model, "served model name")
+    block_size: int = setting(StackConfig.block_size, "KV-cache block size in tokens")
+    num_blocks: int = setting(StackConfig.num_blocks, "KV-cache blocks per engine")
+    time_scale: float = setting(StackConfig.time_scale, "multiply every simulated duration")
+    workdir: str | None = setting(None, "log directory (default: a new temp dir)")
+    timeout_s: float = setting(60.0, "startup budget")
+
+    def config(self) -> StackConfig:
+        return StackConfig(
+            replicas=self.replicas,
+            routers=self.routers if self.redis else 1,
+            redis=self.redis,
+            haproxy=self.haproxy,
+            model=self.model,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            time_scale=self.time_scale,
+            workdir=Path(self.workdir) if self.workdir else None,
+        )

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import shutil
 import sys
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.process_group import ProcessGroup, StackError
-from bench.procs import free_ports, redis_server_argv
-from bench.sentinels import SENTINEL_SERVICE, sentinel_config
-from bench.stack_config import StackConfig
+from bench.stack.config import StackConfig
+from bench.stack.ports import free_ports
+from bench.stack.processes import ProcessSpec, StackError
+from bench.stack.redis_servers import SENTINEL_SERVICE, redis_server_argv, sentinel_config
 
 
 def kvrouter_bin() -> str:
@@ -23,16 +21,18 @@ def kvrouter_bin() -> str:
     return str(candidate) if candidate.exists() else "kvrouter"
 
 
-@dataclass
-class StackLayout(ProcessGroup):
+class StackLayout:
     """The stack's ports and addresses, known after construction, and the command line of each
-    of its processes (:class:`~bench.stack.LocalStack` starts them)."""
+    of its processes (:class:`~bench.stack.local.LocalStack` starts them).
 
-    config: StackConfig = field(default_factory=StackConfig)
+    :param workdir: where the processes' own files go (haproxy's and the Sentinels' configs,
+        the Redis replica's directory).
+    """
 
-    def __post_init__(self) -> None:
-        cfg = self.config
-        super().__init__(cfg.workdir or Path(tempfile.mkdtemp(prefix="kvrouter-stack-")))
+    def __init__(self, config: StackConfig, workdir: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        cfg = config
         n = cfg.replicas
         base = free_ports(4 + 3 * n + 2 * cfg.routers + (4 if cfg.sentinel else 0))
         self.redis_port = base
@@ -92,17 +92,22 @@ class StackLayout(ProcessGroup):
 
     # ------------------------------------------------------------------ processes
 
-    def _plan(self) -> None:
+    def processes(self) -> list[ProcessSpec]:
+        """Every process of the stack, in start order; writes the config files they read.
+
+        :raises StackError: redis-server or haproxy, when the stack needs it, is not installed.
+        """
         cfg, kv = self.config, kvrouter_bin()
+        out: list[ProcessSpec] = []
         redis_flags = ["--redis", self.redis_url] if self.redis_url else []
         if cfg.redis:
             try:
                 argv = redis_server_argv(self.redis_port, self.workdir)
             except RuntimeError as exc:
                 raise StackError(str(exc)) from None
-            self._add("redis", argv, None, port=self.redis_port)
+            out.append(ProcessSpec("redis", argv, port=self.redis_port))
             if self.redis_replica_port is not None:
-                self._plan_sentinels(argv[0])
+                out += self._sentinels(argv[0])
         if cfg.vllm is not None:
             for i in range(cfg.replicas):
                 argv = cfg.vllm.argv(
@@ -127,7 +132,7 @@ class StackLayout(ProcessGroup):
                         "KVROUTER_ATTACH_HEARTBEAT_S": "1",
                         "KVROUTER_ATTACH_TTL_S": "5",
                     }
-                self._add(f"vllm-{i}", argv, f"{self.replica_urls[i]}/health", env)
+                out.append(ProcessSpec(f"vllm-{i}", argv, f"{self.replica_urls[i]}/health", env))
         else:
             groups = (
                 [(f"replica-{i}", i, 1) for i in range(cfg.replicas)]
@@ -136,7 +141,7 @@ class StackLayout(ProcessGroup):
             )
             for name, first, count in groups:
                 ids = ["--id-prefix", f"replica-{first}-"] if cfg.replica_processes else []
-                self._add_replicas(name, first, count, [*ids, *redis_flags])
+                out.append(self._replicas(name, first, count, [*ids, *redis_flags]))
         # engines nobody registers are given to every process
         static = not cfg.redis or (cfg.vllm is not None and not cfg.vllm.attach)
         every = [f for s in self.replica_specs() for f in ("--replica", s)]
@@ -149,12 +154,12 @@ class StackLayout(ProcessGroup):
             tracker = [kv, "tracker", *redis_flags, "--http-port", str(self.tracker_port)]
             if static:
                 tracker += ["--model", cfg.model, "--block-size", str(cfg.block_size), *specs]
-            self._plan_trackers([*tracker, *cfg.tracker_args])
+            out += self._trackers([*tracker, *cfg.tracker_args])
         if cfg.local_index and cfg.redis:
             specs = ["--local-index", *every]
         for i, port in enumerate(self.router_ports):
             replicas = [*specs, *vllm_flags]
-            self._add(
+            router = ProcessSpec(
                 f"router-{i}",
                 [
                     kv,
@@ -173,12 +178,14 @@ class StackLayout(ProcessGroup):
                 ],
                 f"http://127.0.0.1:{port}/health",
             )
+            out.append(router)
         if cfg.haproxy and cfg.routers > 1:
-            self._add("haproxy", self._haproxy_argv(), None)
+            out.append(ProcessSpec("haproxy", self._haproxy_argv()))
+        return out
 
-    def _add_replicas(self, name: str, first: int, count: int, flags: list[str]) -> None:
+    def _replicas(self, name: str, first: int, count: int, flags: list[str]) -> ProcessSpec:
         cfg = self.config
-        self._add(
+        return ProcessSpec(
             name,
             [
                 kvrouter_bin(),
@@ -232,26 +239,28 @@ class StackLayout(ProcessGroup):
         )
         return [binary, "-db", "-f", str(config)]
 
-    def _plan_trackers(self, argv: list[str]) -> None:
+    def _trackers(self, argv: list[str]) -> list[ProcessSpec]:
         lease = self.config.tracker_lease_s
         if lease > 0:
             argv = [*argv, "--lease-ttl-s", str(lease)]
-        self._add("tracker", argv, f"http://127.0.0.1:{self.tracker_port}/health")
+        out = [ProcessSpec("tracker", argv, f"http://127.0.0.1:{self.tracker_port}/health")]
         if lease > 0:  # started once the first one is up: it stands by
             port = self.standby_tracker_port
             standby = [*argv, "--http-port", str(port)]
-            self._add("standby-tracker", standby, f"http://127.0.0.1:{port}/health")
+            out.append(ProcessSpec("standby-tracker", standby, f"http://127.0.0.1:{port}/health"))
+        return out
 
-    def _plan_sentinels(self, binary: str) -> None:
+    def _sentinels(self, binary: str) -> list[ProcessSpec]:
         assert self.redis_replica_port is not None
         replica_dir = self.workdir / "redis-replica"
         replica_dir.mkdir(exist_ok=True)
         replicaof = ("--replicaof", "127.0.0.1", str(self.redis_port))
         argv = redis_server_argv(self.redis_replica_port, replica_dir, *replicaof)
-        self._add("redis-replica", argv, None, port=self.redis_replica_port)
+        out = [ProcessSpec("redis-replica", argv, port=self.redis_replica_port)]
         for i, port in enumerate(self.sentinel_ports):
             conf = sentinel_config(port, self.workdir, self.redis_port, down_after_ms=1000)
-            self._add(f"sentinel-{i}", [binary, str(conf), "--sentinel"], None, port=port)
+            out.append(ProcessSpec(f"sentinel-{i}", [binary, str(conf), "--sentinel"], port=port))
+        return out
 
     def endpoints(self) -> list[tuple[str, str, str]]:
         """Per engine, in port order: HTTP URL, event (PUB) and replay endpoints to connect to."""

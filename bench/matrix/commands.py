@@ -1,36 +1,9 @@
-"""``kvrouter matrix``: every routing policy, real peers included, across a matrix of scenarios.
+"""``kvrouter matrix``: every routing policy, real peers included, across the scenario matrix.
 
-Each cell of the matrix is one ``kvrouter bench`` run (:mod:`bench.harness`): one fleet, one
-workload, every policy in turn with the same arrivals. The axes vary one thing each around a
-base scenario — 4 simulated engines, 10 groups sharing ~4,800-token system prompts, 32
-questions each (320 requests), 64 output tokens — and every cell carries its bounds: the
-workload's ideal hit rate and the analytic TTFT floor (:func:`bench.capacity.ttft_floors`).
-Cells replay 320 requests (10 x 32) at 8 req/s unless the axis varies that, time scale 3.
-The light cells (4,096 and 1,024 blocks at 8 req/s, 25 % load), where every prefix-aware
-router keeps each group home and the verdict turns on a few milliseconds, run three passes
-with the workloads and arrivals of three seeds, every policy in each, and pool them
-(:func:`bench.summary.concatenate`); docs/matrix.md gives each pass's ratios too.
-
-=============  ===========================================================================
-axis           cells
-=============  ===========================================================================
-cache          KV cache per engine from roomy (4,096 blocks) to half the working set (400)
-load           arrivals at 25 / 50 / 75 / 100 % of the ideal capacity (1,024 blocks)
-routers        1, 2 and 4 routers behind haproxy (peers: as many instances), 700 blocks
-bypass         a quarter of the conversations sent straight to an engine, 700 blocks
-restart        one engine SIGKILLed and restarted empty 15 s into each pass, 700 blocks
-conversation   multi-turn chat with 400-token answers: 16 users whose histories fit the fleet's
-               KV when each stays on one engine (2,048 blocks), and 32 users whose
-               histories are twice what it holds (1,024 blocks); a conversation-shaped
-               Mooncake trace on 8 engines with an H200's cache for an 8B model (58k blocks)
-=============  ===========================================================================
-
-Results go to one JSON file per cell (``--out``), with every request's outcome beside it
-(``.raw.json``, not kept in git); a cell whose file exists — or whose settings equal a cell
-already run (``routers 1`` is ``cache 700``) — is not run again unless ``--force`` (a long
-matrix can be resumed). ``--report`` renders the tables (and the
-plots with ``--plots``) from the files alone. The README's matrix section and
-docs/matrix.md are written from the same files.
+Each cell (:mod:`bench.matrix.cells`) is one ``kvrouter bench`` run of every policy; its result
+document goes to a JSON file of its own (``--out``), and a cell already run is not run again
+unless ``--force``. ``--report`` renders the tables and plots from those files alone
+(docs/benchmarks.md, "Scenario matrix").
 """
 
 from __future__ import annotations
@@ -45,13 +18,13 @@ from typing import Any, Final
 from bench.capacity import ttft_floors
 from bench.commands import BenchSettings, plan
 from bench.harness import POLICIES, Harness, PolicyRun
-from bench.matrix_cells import AXES, cells
-from bench.matrix_report import full_tables, replace_section, report
+from bench.matrix.cells import AXES, Cell, cells
+from bench.matrix.report import full_tables, replace_section, report
+from bench.matrix.verdicts import Verdict, headline, verdict
 from bench.peers import INSTALL_HINT, missing
 from bench.plots import matrix_plots, require_matplotlib
 from bench.report import add_ratios, document
 from bench.summary import concatenate, percentile, summarize
-from bench.verdicts import Cell, Verdict, headline, verdict
 from tracker.core.tokens import Tokenizer
 from tracker.framework.cli import Command
 from tracker.framework.config import LogSettings

@@ -4,6 +4,7 @@ for until it answers, and can be killed, restarted or stopped with the others.""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -21,43 +22,63 @@ class StackError(RuntimeError):
     """A process of the stack failed to start or to become healthy."""
 
 
-@dataclass
-class _Proc:
+@dataclass(frozen=True)
+class ProcessSpec:
+    """A process to start: its command line and how to tell that it is up.
+
+    :param health: a URL that answers 200 once it serves.
+    :param env: set over this process's own environment.
+    :param port: waited for until it accepts connections, when there is no health URL.
+    """
+
     name: str
     argv: list[str]
-    health: str | None
+    health: str | None = None
+    env: dict[str, str] | None = None
+    port: int | None = None
+
+
+@dataclass
+class _Proc:
+    spec: ProcessSpec
     log: IO[bytes]
     popen: subprocess.Popen[bytes] | None = None
-    env: dict[str, str] | None = None
-    port: int | None = None  # waited for when there is no health URL
 
 
 class ProcessGroup:
     """Processes started under one work directory, each logging to ``<name>.log`` there, and
-    stopped together (the local stack's: :class:`~bench.stack.LocalStack`)."""
+    stopped together (the local stack's: :class:`~bench.stack.local.LocalStack`)."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._procs: dict[str, _Proc] = {}
-        self._running = False
 
-    def _add(
-        self,
-        name: str,
-        argv: list[str],
-        health: str | None,
-        env: dict[str, str] | None = None,
-        *,
-        port: int | None = None,
-    ) -> None:
-        log = (self.workdir / f"{name}.log").open("ab")
-        self._procs[name] = _Proc(name, argv, health, log, env=env, port=port)
+    def add(self, spec: ProcessSpec) -> None:
+        """Take ``spec`` into the group (replacing a process of that name); :meth:`start`
+        starts it."""
+        log = (self.workdir / f"{spec.name}.log").open("ab")
+        self._procs[spec.name] = _Proc(spec, log)
+
+    def start(self, timeout_s: float) -> None:
+        """Start every process in the order added and wait until each is up, within
+        ``timeout_s`` in all; processes of one kind (replica-0, replica-1, ...) start side by
+        side."""
+        deadline = time.monotonic() + timeout_s
+        for _, group in itertools.groupby(
+            self._procs.values(), key=lambda p: p.spec.name.rsplit("-", 1)[0]
+        ):
+            started = list(group)
+            for proc in started:
+                self._launch(proc)
+            for proc in started:
+                self._wait(proc, deadline - time.monotonic())
 
     def _launch(self, proc: _Proc, extra_args: Sequence[str] = ()) -> None:
+        env = proc.spec.env
         proc.popen = subprocess.Popen(
-            [*proc.argv, *extra_args],
-            env=None if proc.env is None else {**os.environ, **proc.env},
+            [*proc.spec.argv, *extra_args],
+            env=None if env is None else {**os.environ, **env},
             stdout=proc.log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -65,34 +86,37 @@ class ProcessGroup:
         )
 
     def _wait(self, proc: _Proc, timeout_s: float) -> None:
-        if proc.health is not None:
-            self._wait_url(proc.health, timeout_s, proc)
-        elif proc.port is not None:
-            self._wait_port(proc.port, timeout_s, proc)
+        if proc.spec.health is not None:
+            self.wait_url(proc.spec.name, proc.spec.health, timeout_s)
+        elif proc.spec.port is not None:
+            self._wait_port(proc, proc.spec.port, timeout_s)
 
-    def _check_alive(self, proc: _Proc) -> None:
-        if proc.popen is not None and proc.popen.poll() is not None:
-            tail = (self.workdir / f"{proc.name}.log").read_text(errors="replace")[-2000:]
-            raise StackError(f"{proc.name} exited with {proc.popen.returncode}:\n{tail}")
+    def check_alive(self, name: str) -> None:
+        """Raise :class:`StackError`, with the end of its log, if process ``name`` exited."""
+        popen = self._procs[name].popen
+        if popen is not None and popen.poll() is not None:
+            tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+            raise StackError(f"{name} exited with {popen.returncode}:\n{tail}")
 
-    def _wait_port(self, port: int, timeout_s: float, proc: _Proc) -> None:
+    def _wait_port(self, proc: _Proc, port: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self._check_alive(proc)
+            self.check_alive(proc.spec.name)
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
                 return
             time.sleep(0.05)
-        raise StackError(f"{proc.name} did not listen on {port} within {timeout_s}s")
+        raise StackError(f"{proc.spec.name} did not listen on {port} within {timeout_s}s")
 
-    def _wait_url(self, url: str, timeout_s: float, proc: _Proc) -> None:
+    def wait_url(self, name: str, url: str, timeout_s: float) -> None:
+        """Until ``url`` answers 200, while process ``name`` runs."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self._check_alive(proc)
+            self.check_alive(name)
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url, timeout=1.0).status_code == 200:
                     return
             time.sleep(0.1)
-        raise StackError(f"{proc.name} not healthy at {url} within {timeout_s}s")
+        raise StackError(f"{name} not healthy at {url} within {timeout_s}s")
 
     def spawn(
         self, name: str, argv: list[str], health: str | None, timeout_s: float = 60.0
@@ -101,7 +125,7 @@ class ProcessGroup:
         ``health`` to answer 200; e.g. a peer router on a router's port (the benchmark)."""
         if name in self._procs:
             self.retire(name)
-        self._add(name, argv, health)
+        self.add(ProcessSpec(name, argv, health))
         proc = self._procs[name]
         self._launch(proc)
         self._wait(proc, timeout_s)
@@ -149,7 +173,6 @@ class ProcessGroup:
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM everything in reverse start order; SIGKILL what outlives ``timeout_s``."""
-        self._running = False
         codes: dict[str, int | None] = {}
         for proc in reversed(list(self._procs.values())):
             popen = proc.popen
@@ -161,6 +184,6 @@ class ProcessGroup:
                 except subprocess.TimeoutExpired:
                     popen.kill()
                     popen.wait()
-            codes[proc.name] = None if popen is None else popen.returncode
+            codes[proc.spec.name] = None if popen is None else popen.returncode
             proc.log.close()
         return codes

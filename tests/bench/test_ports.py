@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from bench.procs import _ephemeral_ports, free_port, free_ports
+from bench.stack.ports import _ephemeral_ports, free_port, free_ports
 
 
 def test_free_ports_are_bindable_and_outside_the_ephemeral_range() -> None:

@@ -1,20 +1,200 @@
-"""A Redis primary with a replica and three Sentinels on loopback, and what the Sentinels
-say of it: their config files, their view of the service, readiness to fail over."""
+"""Throwaway Redis deployments on loopback for the stack, benchmarks and tests: a server, a
+primary with a replica and three Sentinels, a Cluster; and a blocking client for any Redis URL."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
+from urllib.parse import urlsplit
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
+from redis.sentinel import Sentinel
 
-from bench.procs import RedisServer, free_port, wait_for_port
+from bench.stack.ports import free_port, wait_for_port
+from tracker.core.redis_client import (
+    CLUSTER_SCHEMES,
+    SENTINEL_SCHEMES,
+    parse_cluster_url,
+    parse_sentinel_url,
+)
 
-SENTINEL_SERVICE = "kvrouter"
+SENTINEL_SERVICE: Final = "kvrouter"
+
+
+def redis_server_argv(port: int, workdir: Path | str, *extra_args: str) -> list[str]:
+    """A redis-server on loopback ``port``, without persistence, its files in ``workdir``.
+
+    :raises RuntimeError: redis-server is not installed.
+    """
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed; scripts/install installs it")
+    return [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+        *extra_args,
+    ]
+
+
+class RedisServer:
+    """A throwaway redis-server bound to loopback; can be stopped and restarted empty."""
+
+    def __init__(self, *extra_args: str) -> None:
+        self.extra_args = extra_args
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvr-redis-"))
+        self.argv = redis_server_argv(self.port, self.dir, *extra_args)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_for_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def sync_redis(url: str, timeout_s: float = 5.0) -> Iterator[Any]:
+    """A blocking client for ``url`` (a server, or the primary a Sentinel URL names), closed
+    after: for benchmarks' and tests' checks."""
+    scheme = urlsplit(url).scheme
+    if scheme in CLUSTER_SCHEMES:
+        cluster = parse_cluster_url(url)
+        node: Any = ClusterNode  # untyped in redis-py's sync cluster module
+        nodes = [node(host, port) for host, port in cluster.nodes]
+        with RedisCluster(
+            startup_nodes=nodes,
+            username=cluster.username,
+            password=cluster.password,
+            socket_timeout=timeout_s,
+        ) as client:
+            yield client
+        return
+    if scheme not in SENTINEL_SCHEMES:
+        with redis.Redis.from_url(url, socket_timeout=timeout_s) as client:
+            yield client
+        return
+    parsed = parse_sentinel_url(url)
+    make: Any = Sentinel  # typed by redis-py only from 8.2 on: either way type-checks
+    sentinel = make(
+        list(parsed.sentinels),
+        sentinel_kwargs={"socket_timeout": timeout_s, "password": parsed.sentinel_password},
+    )
+    try:
+        with sentinel.master_for(
+            parsed.service,
+            db=parsed.db,
+            username=parsed.username,
+            password=parsed.password,
+            socket_timeout=timeout_s,
+        ) as client:
+            yield client
+    finally:
+        for node in sentinel.sentinels:
+            node.close()
+
+
+class RedisClusterNodes:
+    """A Redis Cluster on loopback: ``masters`` masters with ``replicas`` replicas each,
+    created with ``redis-cli --cluster create``. :attr:`url` is the ``redis+cluster://`` URL
+    every kvrouter part accepts."""
+
+    def __init__(self, masters: int = 3, replicas: int = 1) -> None:
+        self.masters, self.replicas = masters, replicas
+        count = masters * (1 + replicas)
+        while True:  # free ports are drawn one by one: the same one may come twice
+            # the bus port defaults to port + 10000, past 65535 for a high free port
+            bus = [free_port() for _ in range(count)]
+            self.nodes = [
+                RedisServer(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-port",
+                    str(port),
+                )
+                for port in bus
+            ]
+            ports = [*bus, *(node.port for node in self.nodes)]
+            if len(set(ports)) == len(ports):
+                break
+            self.close()
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[: self.masters])
+        return f"redis+cluster://{hosts}"
+
+    def start(self, timeout_s: float = 30.0) -> RedisClusterNodes:
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, timeout_s: float) -> RedisClusterNodes:
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            timeout=timeout_s,
+            check=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        for node in self.nodes:  # every node agrees the cluster is whole
+            with redis.Redis(port=node.port, socket_timeout=2.0) as client:
+                while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the cluster did not come up")
+                    time.sleep(0.05)
+        return self
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
 
 
 def sentinel_config(port: int, workdir: Path, primary_port: int, *, down_after_ms: int) -> Path:

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from bench.capacity import WorkloadShape, capacity
-from bench.matrix_cells import AXES
+from bench.matrix.cells import AXES
+from bench.matrix.verdicts import Verdict, best_peers
 from bench.report import markdown as policy_table
-from bench.verdicts import Verdict, best_peers
 from publishers.config import EngineShape
 from tracker.framework.errors import ConfigError
 

@@ -1,58 +1,19 @@
-"""The scenario matrix's cells and their verdicts: kvrouter against the best real peer.
-
-A :class:`Cell` names one scenario (its axis, label and ``kvrouter bench`` settings); a
-:class:`Verdict` reads the cell's result document and compares kvrouter with the best real
-peer (:data:`bench.peers.PEERS`) on TTFT p50, p95 and the engines' prefix hit rate.
-:mod:`bench.matrix` runs the cells and writes the report, :mod:`bench.plots` draws them.
-"""
+"""A matrix cell's verdict: kvrouter against the best real peer (:data:`bench.peers.PEERS`) on
+TTFT p50, p95 and the engines' prefix hit rate, read from the cell's result document."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from bench.matrix.cells import Cell
 from bench.peers import PEERS
 from bench.report import from_document
 from bench.summary import Summary
 
 _TOLERANCE: Final = 0.03
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One scenario: a label on its axis and the ``kvrouter bench`` settings that make it.
-
-    :param events: only event-driven state knows the truth here (several routers, eviction
-        pressure, outside traffic, restarts): kvrouter must beat the best peer outright.
-    :param seeds: passes, each with the workload and arrivals of its own seed (the bench's
-        seed, then the next ones), every policy in each; the cell's numbers pool them.
-    """
-
-    axis: str
-    label: str
-    settings: dict[str, Any]
-    events: bool = False
-    seeds: int = 1
-
-    @property
-    def digest(self) -> str:
-        """Of what is run: cells of equal settings (on two axes) share one run."""
-        run = self.settings if self.seeds == 1 else {**self.settings, "seeds": self.seeds}
-        return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:8]
-
-    @property
-    def key(self) -> str:
-        """Names the result file."""
-        return f"{_slug(self.axis)}-{_slug(self.label)}-{self.digest}"
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def headline(summary: Summary) -> dict[str, float]:
