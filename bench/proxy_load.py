@@ -31,7 +31,7 @@ import aiohttp
 
 from bench.stack import LocalStack
 from bench.stack_config import StackConfig
-from router.upstream import KEEPALIVE_EXPIRY_S
+from router.fleet.upstream import KEEPALIVE_EXPIRY_S
 
 MODEL: Final = "default"
 PATH: Final = "/v1/chat/completions"

@@ -1,8 +1,8 @@
 """Router benchmark: decision overhead per stage, proxy throughput and per-chunk latency.
 
 Run: ``.venv/bin/python -m bench.router_bench`` (``--quick`` for a short run). Decision
-overhead is measured through the router's own objects (:class:`router.app.Router` from
-:class:`~router.config.RouterSettings`, its :class:`~router.placement.Placer`; built by
+overhead is measured through the router's own objects (:class:`router.http.app.Router` from
+:class:`~router.config.RouterSettings`, its :class:`~router.decide.placement.Placer`; built by
 :mod:`bench.router_fixture`), against a
 private redis-server on loopback holding 8 replicas' placements of each prompt's prefix,
 with a byte-level BPE tokenizer trained at start (:mod:`bench.corpus`): repeated prefix + a
@@ -45,9 +45,9 @@ from bench.router_fixture import (
     store,
 )
 from router.config import RouterSettings
-from router.placement import Placement
-from router.redis_load import RedisLoadBoard
-from router.tokenize import TokenizerBook
+from router.decide.placement import Placement
+from router.decide.tokenize import TokenizerBook
+from router.shared.redis_load import RedisLoadBoard
 from tracker.core.blocks import Namespace
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.cli import parse_argv

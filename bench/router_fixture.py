@@ -16,13 +16,13 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from bench.corpus import Lexicon
-from router.app import Router
 from router.config import RouterSettings
-from router.placement import Placement, Placer
-from router.redis_load import RedisLoadBoard
-from router.requests import PromptRequest, parse
+from router.decide.placement import Placement, Placer
+from router.decide.request import PromptRequest, parse
+from router.decide.tokenize import TokenizerBook
+from router.http.app import Router
 from router.service import load_board
-from router.tokenize import TokenizerBook
+from router.shared.redis_load import RedisLoadBoard
 from tracker.core.backends import open_index
 from tracker.core.blocks import Namespace
 from tracker.core.events import BlockStored, EventBatch, ExternalHash

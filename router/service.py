@@ -5,8 +5,8 @@ every other router and tracker. Without it the router is self-contained: an in-p
 :class:`~tracker.core.memory_index.MemoryIndex` fed by an in-process
 :mod:`tracker.ingest.embedded` tracker consuming the ``--replica`` event endpoints. With
 both and ``--local-index`` the index is the router's own, fed as without Redis, and the load
-and the routes are shared (:class:`~router.redis_load.RedisLoadBoard`,
-:class:`~router.routefeed.RouteFeed`; read in the background, so no request waits for Redis).
+and the routes are shared (:class:`~router.shared.redis_load.RedisLoadBoard`,
+:class:`~router.shared.routefeed.RouteFeed`; read in the background, so no request waits for Redis).
 Shutdown (SIGTERM/SIGINT): stop accepting, let in-flight requests and streams finish within
 ``shutdown_timeout_s`` (uvicorn cancels the rest), then close everything; a second signal
 cuts the drain short.
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
-from router.app import Router, create_app
 from router.config import RouterSettings
-from router.load import LoadBoard, LocalLoadBoard
-from router.redis_load import RedisLoadBoard, new_router_id
-from router.routefeed import REFRESH_S as ROUTE_REFRESH_S
-from router.routefeed import RouteFeed
-from router.tokenize import TokenizerBook
+from router.decide.tokenize import TokenizerBook
+from router.http.app import Router, create_app
+from router.shared.load import LoadBoard, LocalLoadBoard
+from router.shared.redis_load import RedisLoadBoard, new_router_id
+from router.shared.routefeed import REFRESH_S as ROUTE_REFRESH_S
+from router.shared.routefeed import RouteFeed
 from tracker.core.backends import open_index
 from tracker.core.index import BlockIndex
 from tracker.core.redis_client import RedisConnection, open_redis
@@ -68,10 +68,10 @@ def load_board(
     settings: RouterSettings, client: redis.Redis | None = None, *, view_refresh_s: float = 0.0
 ) -> LoadBoard:
     """The router's load board: with a Redis ``client``, a
-    :class:`~router.redis_load.RedisLoadBoard` shared with every other router, as
+    :class:`~router.shared.redis_load.RedisLoadBoard` shared with every other router, as
     ``settings.router_id``, with ``settings.lease_ttl_s`` and ``settings.load_renew_s`` (and
     ``view_refresh_s``: > 0 reads the others' load in the background); without, a
-    :class:`~router.load.LocalLoadBoard` of this process alone.
+    :class:`~router.shared.load.LocalLoadBoard` of this process alone.
 
     :raises ValueError: with a client and no ``settings.router_id``.
     """

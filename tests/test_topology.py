@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stack import LocalStack
 from bench.stack_config import StackConfig
-from router.proxy import REPLICA_HEADER
+from router.http.proxy import REPLICA_HEADER
 
 pytestmark = pytest.mark.timeout(60)
 

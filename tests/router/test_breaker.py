@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.breaker import CircuitBreaker, GuardedIndex, LoopLag
-from router.load import LocalLoadBoard
 from router.metrics import RouterMetrics
+from router.shared.load import LocalLoadBoard
+from router.shared.state import CircuitBreaker, GuardedIndex, LoopLag
 from tests.clock import ManualClock
 from tests.factories import SIM
 from tracker.core.blocks import Namespace

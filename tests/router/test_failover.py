@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from router.proxy import FALLBACK_HEADER, PREDICTED_HEADER, REPLICA_HEADER
+from router.http.proxy import FALLBACK_HEADER, PREDICTED_HEADER, REPLICA_HEADER
 from router.service import RouterService
 from tests.factories import SIM
 from tests.procs import RedisServer, free_port, free_ports

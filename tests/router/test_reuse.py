@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from router.proxy import REPLICA_HEADER
-from router.reuse import ReuseBook
+from router.decide.reuse import ReuseBook
+from router.http.proxy import REPLICA_HEADER
 from tests.clock import ManualClock
 from tests.router.harness import SYSTEM, base_url, chat, engines, router
 

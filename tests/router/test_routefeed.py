@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import redis.asyncio as redis
 
-from router.routefeed import RouteFeed
+from router.shared.routefeed import RouteFeed
 from tests.factories import SIM
 from tests.procs import free_port
 from tracker.core.keys import NamespaceKeys

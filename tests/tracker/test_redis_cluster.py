@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from bench.procs import RedisClusterNodes, sync_redis
-from router.redis_load import RedisLoadBoard, new_router_id
+from router.shared.redis_load import RedisLoadBoard, new_router_id
 from tests.factories import LLAMA, batch
 from tests.tracker.redis_ops import SEQ, exercise, matches, remove, store
 from tracker.core import keys as schema

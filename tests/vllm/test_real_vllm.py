@@ -23,7 +23,7 @@ import redis
 
 from bench.stack import LocalStack
 from bench.stack_config import StackConfig, VllmEngines
-from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.vllm.conftest import MODEL, VLLM
 
 pytestmark = pytest.mark.timeout(600)

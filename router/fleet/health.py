@@ -18,10 +18,10 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.errors import UpstreamError
-from router.load import LoadBoard
+from router.fleet.replicas import EngineLoad, Replica, ReplicaSet
+from router.fleet.upstream import UpstreamClient, failure_kind
 from router.metrics import RouterMetrics
-from router.replicas import EngineLoad, Replica, ReplicaSet
-from router.upstream import UpstreamClient, failure_kind
+from router.shared.load import LoadBoard
 from tracker.core.blocks import Namespace
 from tracker.core.index import BlockIndex
 from tracker.framework.errors import IndexUnavailableError

@@ -13,8 +13,8 @@ from typing import Any, Final
 
 import msgspec
 
+from router.decide.request import cached_tokens
 from router.errors import openai_error_body
-from router.requests import cached_tokens
 
 _BOUNDARY: Final = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _decode = msgspec.json.Decoder().decode

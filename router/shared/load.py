@@ -3,7 +3,7 @@
 A :class:`Lease` is one dispatched request: it counts one request in flight, and its uncached
 prompt tokens as queued prefill work until :meth:`Lease.first_token`; nothing after
 :meth:`Lease.release`. Boards add leases up per (index partition, replica): a
-:class:`LocalLoadBoard` keeps this process's own, :class:`router.redis_load.RedisLoadBoard`
+:class:`LocalLoadBoard` keeps this process's own, :class:`router.shared.redis_load.RedisLoadBoard`
 shares them with every other router.
 """
 
@@ -25,9 +25,9 @@ class Load:
 
     :param prefill_since: when the oldest request there that has not produced its first token
         was sent (``time.monotonic()``), through this router or, in
-        :meth:`router.redis_load.RedisLoadBoard.merge`, another; None: none is pending.
+        :meth:`router.shared.redis_load.RedisLoadBoard.merge`, another; None: none is pending.
         The engine has been working through the queue at least since then, so that much
-        of ``queued_prefill_tokens`` is already done (:mod:`router.policy`, ``queue_ms``).
+        of ``queued_prefill_tokens`` is already done (:mod:`router.decide.policy`, ``queue_ms``).
     """
 
     inflight: int = 0

@@ -1,10 +1,10 @@
 """What every benchmark baseline shares: the request to place, the tools, the base class.
 
 A baseline is a routing strategy with state, run inside the real router instead of
-kvrouter's score (:mod:`router.policies`). None reads the block index; each sees the
+kvrouter's score (:mod:`router.baselines`). None reads the block index; each sees the
 request, the healthy candidates, and what :class:`Tools` offers. Its decision carries one
-:class:`~router.policy_types.Score` per candidate whose ``score`` is the baseline's own number
-(higher wins), so ``/index``, the decision headers and the journal show it.
+:class:`~router.decide.policy_types.Score` per candidate whose ``score`` is the baseline's
+own number (higher wins), so ``/index``, the decision headers and the journal show it.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from router.load import Load, LoadBoard
-from router.policy_types import Decision, Score
-from router.replicas import Replica
-from router.requests import PromptRequest
-from router.upstream import UpstreamClient
+from router.decide.policy_types import Decision, Score
+from router.decide.request import PromptRequest
+from router.fleet.replicas import Replica
+from router.fleet.upstream import UpstreamClient
+from router.shared.load import Load, LoadBoard
 from tracker.core.blocks import Namespace
 
 
@@ -110,7 +110,7 @@ def request_text(request: PromptRequest) -> str:
 class Baseline(abc.ABC):
     """A routing strategy with state; :meth:`choose` is called once per request.
 
-    :param name: the ``--policy`` name (:data:`router.policies.REGISTRY`), also the
+    :param name: the ``--policy`` name (:data:`router.baselines.REGISTRY`), also the
         decision's mode.
     """
 

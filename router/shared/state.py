@@ -21,10 +21,10 @@ from typing import Final, Literal
 
 from prometheus_client import Gauge
 
-from router.load import Load, LoadBoard
 from router.metrics import RouterMetrics
-from router.redis_load import RedisLoadBoard
-from router.routefeed import RouteFeed
+from router.shared.load import Load, LoadBoard
+from router.shared.redis_load import RedisLoadBoard
+from router.shared.routefeed import RouteFeed
 from tracker.core.blocks import Namespace
 from tracker.core.index import BlockIndex, Home, Match, Residency, Survey
 from tracker.core.memory_index import MemoryIndex

@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from typing import Final
 
-from router.policies.baseline import (
+from router.baselines.baseline import (
     Baseline,
     BaselineSettings,
     Choice,
@@ -24,8 +24,8 @@ from router.policies.baseline import (
     message_text,
     request_text,
 )
-from router.policy_types import Decision
-from router.requests import PromptRequest
+from router.decide.policy_types import Decision
+from router.decide.request import PromptRequest
 
 SEED_LRU_SIZE: Final = 2000
 SEED_TTL_S: Final = 1800.0

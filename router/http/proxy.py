@@ -22,17 +22,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.breaker import GuardedIndex
 from router.config import RouterSettings
-from router.errors import NoReplicaError, UpstreamError
-from router.estimator import SpeedBook
-from router.load import LoadBoard
-from router.metrics import MismatchDetector, RouterMetrics
-from router.placement import Placement, Placer
-from router.policy_types import Score
-from router.relay import RelayResponse
-from router.replicas import Replica
-from router.requests import (
+from router.decide.estimator import SpeedBook
+from router.decide.placement import Placement, Placer
+from router.decide.policy_types import Score
+from router.decide.request import (
     PATHS,
     Endpoint,
     PromptRequest,
@@ -41,8 +35,19 @@ from router.requests import (
     read_body,
     upstream_body,
 )
-from router.sse import UsageFilter, error_event
-from router.upstream import UpstreamClient, UpstreamResponse, failure_kind, passthrough_headers
+from router.errors import NoReplicaError, UpstreamError
+from router.fleet.replicas import Replica
+from router.fleet.upstream import (
+    UpstreamClient,
+    UpstreamResponse,
+    failure_kind,
+    passthrough_headers,
+)
+from router.http.relay import RelayResponse
+from router.http.sse import UsageFilter, error_event
+from router.metrics import MismatchDetector, RouterMetrics
+from router.shared.load import LoadBoard
+from router.shared.state import GuardedIndex
 from tracker.core.keys import home_anchors
 from tracker.framework.http import CLIENT_CLOSED, ClientWatch
 

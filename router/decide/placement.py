@@ -3,8 +3,8 @@
 The prompt is tokenized as the engine will (chat template over every message), its block-key
 chain computed with the tracker's :func:`~tracker.core.blocks.block_keys` (the keys of a prefix
 seen before are reused: :class:`~tracker.core.blocks.ChainCache`), the chain's placements and every
-router's load read in one guarded round trip (:mod:`router.breaker`), and the candidates scored
-by :func:`router.policy.decide`. A prompt the router cannot tokenize (a content type it does
+router's load read in one guarded round trip (:mod:`router.shared.state`), and the candidates scored
+by :func:`router.decide.policy.decide`. A prompt the router cannot tokenize (a content type it does
 not know, a template that rejects the conversation) is routed on load alone: the engine, not
 the router, decides whether it is valid.
 """
@@ -18,21 +18,21 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.breaker import GuardedIndex, SharedView
-from router.churn import ChurnBook
+from router.baselines.baseline import Baseline, Choice
 from router.config import RouterSettings
+from router.decide.churn import ChurnBook
+from router.decide.estimator import SpeedBook
+from router.decide.journal import DecisionJournal
+from router.decide.occupancy import OccupancyBook
+from router.decide.policy import decide
+from router.decide.policy_types import Decision, PolicyConfig, ReplicaState, Score
+from router.decide.request import PromptRequest
+from router.decide.reuse import ReuseBook
+from router.decide.tokenize import TokenizerBook
 from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError
-from router.estimator import SpeedBook
-from router.journal import DecisionJournal
+from router.fleet.replicas import Replica, ReplicaSet
 from router.metrics import RouterMetrics
-from router.occupancy import OccupancyBook
-from router.policies.baseline import Baseline, Choice
-from router.policy import decide
-from router.policy_types import Decision, PolicyConfig, ReplicaState, Score
-from router.replicas import Replica, ReplicaSet
-from router.requests import PromptRequest
-from router.reuse import ReuseBook
-from router.tokenize import TokenizerBook
+from router.shared.state import GuardedIndex, SharedView
 from tracker.core.blocks import ChainCache, Namespace
 from tracker.core.index import Home, Match, Residency
 from tracker.framework.errors import TokenizationError
@@ -263,7 +263,7 @@ class Placer:
     ) -> list[ReplicaState]:
         """What the policy knows of each candidate: the index's answer, load, engine gauges."""
         now = time.monotonic()
-        speed = self.speeds.get(model)  # one estimate per model: see router.estimator
+        speed = self.speeds.get(model)  # one estimate per model: see router.decide.estimator
         if view.residency:
             self.churn.observe(view.residency)
         churn = self.churn.relative(r.id for r in candidates)
@@ -333,7 +333,7 @@ class Placer:
         candidates: Sequence[Replica],
         dry_run: bool,
     ) -> Placement:
-        """A benchmark baseline's decision (:mod:`router.policies`); the index is not used."""
+        """A benchmark baseline's decision (:mod:`router.baselines`); the index is not used."""
         assert self.baseline is not None
         stages: dict[str, float] = {}
         started = time.perf_counter()

@@ -1,7 +1,8 @@
 """What the routing policy takes and gives: a candidate's state, the parameters, a replica's
 prefill speed, each candidate's score and the decision.
 
-The policy itself (:func:`router.policy.decide`) and its arithmetic (:mod:`router.scoring`)
+The policy itself (:func:`router.decide.policy.decide`) and its arithmetic
+(:mod:`router.decide.scoring`)
 work on these; the placer builds the states, the proxy and the journal read the scores.
 """
 
@@ -27,7 +28,7 @@ class SpeedEstimate:
 
 
 DEFAULT_SPEED: Final = SpeedEstimate(floor_ms=25.0, prefill_ms_per_token=0.032)
-"""Llama-3.1-8B on one H200 (see :mod:`router.policy`); a seed, refined online."""
+"""Llama-3.1-8B on one H200 (see :mod:`router.decide.policy`); a seed, refined online."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,17 +56,17 @@ class ReplicaState:
         taken as the routers' (the rest came from other clients: ``EngineLoad.routed``);
         None: unknown, every running request counts as the routers'.
     :param valued_blocks: the blocks of its cache that routed requests reused lately
-        (:class:`router.reuse.ReuseBook`): what new blocks would push out at a cost; the
+        (:class:`router.decide.reuse.ReuseBook`): what new blocks would push out at a cost; the
         rest of ``resident_blocks`` is finished requests' own blocks, free to evict. None:
         unknown, every resident block counts.
     :param recent_inflight: the routers' requests in flight on it over the last seconds
-        (:class:`router.occupancy.OccupancyBook`): the load a prefill there will meet even
+        (:class:`router.decide.occupancy.OccupancyBook`): the load a prefill there will meet even
         when the requests of the moment have just finished.
     :param prefill_elapsed_ms: how long ago the oldest of the requests there that have not
         produced their first token was sent (through any router): the engine has been prefilling the
         queue at least that long, so that much of ``queued_prefill_tokens`` is done.
     :param prefixes: the prefix groups (chains by their first block) this router sent here
-        lately (:meth:`router.reuse.ReuseBook.prefixes`).
+        lately (:meth:`router.decide.reuse.ReuseBook.prefixes`).
     """
 
     id: str
@@ -92,7 +93,7 @@ class ReplicaState:
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    """Policy parameters; defaults and their sources are in :mod:`router.policy`'s docstring."""
+    """Policy parameters; defaults and their sources: :mod:`router.decide.policy`."""
 
     mode: Mode = "ttft"
     block_size: int = 16
@@ -142,7 +143,7 @@ class Score:
 
     ``work_tokens`` is the prefill work ahead of the request's first token in token units
     (queued + unseen + uncached + offload-weighted cached): what
-    :meth:`router.estimator.SpeedBook.observe` wants next to the measured TTFT.
+    :meth:`router.decide.estimator.SpeedBook.observe` wants next to the measured TTFT.
     ``loading_tokens`` is the offloaded part's share of it (each tier's tokens times its cost).
     """
 

@@ -24,10 +24,10 @@ from typing import Any, Final
 
 import msgspec
 
+from router.baselines.baseline import Baseline, Choice, baseline_score, best
+from router.decide.policy_types import Decision
 from router.errors import UpstreamError
-from router.policies.baseline import Baseline, Choice, baseline_score, best
-from router.policy_types import Decision
-from router.replicas import Replica
+from router.fleet.replicas import Replica
 from tracker.framework.errors import TokenizationError
 
 logger = logging.getLogger(__name__)

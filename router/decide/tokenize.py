@@ -1,7 +1,7 @@
 """Prompt token ids for routing: tokenization off the event loop, with a cache of segments.
 
 A tokenizer encodes the pieces of its input between added tokens independently
-(:mod:`router.segments`), so a rendered chat prompt is a sequence of pieces: one per
+(:mod:`router.decide.segments`), so a rendered chat prompt is a sequence of pieces: one per
 message part between the template's special tokens. :class:`PromptTokenizer` renders the
 template (cheap), splits the text exactly as the tokenizer does, looks every piece up in a
 bounded LRU keyed by its xxh3-128 hash, encodes only the misses (one ``encode_batch`` call
@@ -31,7 +31,7 @@ from typing import Any, Final
 import xxhash
 
 from router.config import RouterSettings, model_paths
-from router.segments import plan_segments, split_pieces
+from router.decide.segments import plan_segments, split_pieces
 from tracker.core.chat import Message, load_chat_template
 from tracker.core.tokens import Tokenizer
 from tracker.framework.errors import ConfigError, TokenizationError

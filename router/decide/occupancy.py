@@ -1,7 +1,7 @@
 """How many requests each replica has been running lately: the load a copy there will meet.
 
 A prompt sent away from its cache is prefilled in full, and every request on that engine
-waits for that compute (``compute`` in :mod:`router.policy`). Counting only the requests in
+waits for that compute (``compute`` in :mod:`router.decide.policy`). Counting only the requests in
 flight at the moment of the decision makes an engine whose requests have just finished look
 free: under pressure the next request of a group busy at home went there, copied its prefix
 (evicting another group's), and the groups split over more engines (2.5 per group, 71.6 %

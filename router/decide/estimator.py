@@ -9,7 +9,7 @@ one, looked cheapest for every cold prompt and was sent every new prefix (docs/a
 Model: ``ttft_ms = floor_ms + prefill_ms_per_token * tokens_ahead`` where ``tokens_ahead``
 is the prefill work in front of the request's first token when it was dispatched (tokens
 already queued on the replica plus the request's own uncached tokens; see
-:attr:`router.policy_types.Score.work_tokens`). :class:`SpeedModel` fits it by exponentially
+:attr:`router.decide.policy_types.Score.work_tokens`). :class:`SpeedModel` fits it by exponentially
 weighted least squares (weighted means and co-moments updated with West's stable recurrence,
 so no sums of squares of large numbers are ever subtracted), with
 
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from router.policy_types import DEFAULT_SPEED, SpeedEstimate
+from router.decide.policy_types import DEFAULT_SPEED, SpeedEstimate
 
 _MIN_BAND_MS: Final = 0.5
 _REL_BAND: Final = 0.05

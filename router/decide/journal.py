@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import msgspec
 
-from router.policy_types import Decision, ReplicaState
+from router.decide.policy_types import Decision, ReplicaState
 from tracker.core.index import Match
 
 _encode = msgspec.json.Encoder().encode

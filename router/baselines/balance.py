@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import random
 
-from router.policies.baseline import Baseline, BaselineSettings, Choice, Tools, baseline_score, best
-from router.policy_types import Decision
+from router.baselines.baseline import (
+    Baseline,
+    BaselineSettings,
+    Choice,
+    Tools,
+    baseline_score,
+    best,
+)
+from router.decide.policy_types import Decision
 
 
 class RoundRobin(Baseline):

@@ -1,6 +1,6 @@
 """One candidate's score: expected TTFT plus what the choice costs others; pure arithmetic.
 
-:func:`score_replica` computes the terms :mod:`router.policy`'s docstring lays out (queue,
+:func:`score_replica` computes the terms :mod:`router.decide.policy`'s docstring lays out (queue,
 prefill, loading offloaded blocks, the KV-full penalty, the compute a miss takes from the
 requests beside it, the evictions and group splits it causes); :func:`fleet_of` gathers
 what one decision knows of all candidates together.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from router.policy_types import PolicyConfig, ReplicaState, Score
+from router.decide.policy_types import PolicyConfig, ReplicaState, Score
 
 MAX_CHURN: Final = 2.0  # churn weighs evictions within [1/2, 2]
 MAX_KV_USAGE: Final = 1.5  # past this projected usage the KV penalty stops growing

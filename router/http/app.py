@@ -22,26 +22,26 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from router.auth import KeyCheck, load_keys
-from router.breaker import GuardedIndex, LoopLag
+from router.baselines import make_baseline
+from router.baselines.baseline import Tools
 from router.config import RouterSettings
-from router.describe import describe_placement, describe_replica
+from router.decide.estimator import SpeedBook
+from router.decide.journal import DecisionJournal
+from router.decide.placement import Placer
+from router.decide.request import parse, read_body
+from router.decide.tokenize import TokenizerBook
 from router.errors import AuthError, BadRequestError, RouterError, openai_error_body, status_of
-from router.estimator import SpeedBook
-from router.health import ReplicaMonitor
-from router.journal import DecisionJournal
-from router.load import Load, LoadBoard, LocalLoadBoard
+from router.fleet.health import ReplicaMonitor
+from router.fleet.replicas import ReplicaSet
+from router.fleet.upstream import UpstreamClient
+from router.http.auth import KeyCheck, load_keys
+from router.http.describe import describe_placement, describe_replica
+from router.http.proxy import Proxy
 from router.metrics import MismatchDetector, RouterMetrics, exposition
-from router.placement import Placer
-from router.policies import make_baseline
-from router.policies.baseline import Tools
-from router.proxy import Proxy
-from router.redis_load import RedisLoadBoard
-from router.replicas import ReplicaSet
-from router.requests import parse, read_body
-from router.routefeed import RouteFeed
-from router.tokenize import TokenizerBook
-from router.upstream import UpstreamClient
+from router.shared.load import Load, LoadBoard, LocalLoadBoard
+from router.shared.redis_load import RedisLoadBoard
+from router.shared.routefeed import RouteFeed
+from router.shared.state import GuardedIndex, LoopLag
 from tracker.core.blocks import Namespace
 from tracker.core.index import BlockIndex
 from tracker.framework.errors import IndexUnavailableError
@@ -318,7 +318,7 @@ def create_app(
 
     :param index: the block index and replica registry (owned by the caller).
     :param registry: where the router's metrics are registered (served on ``/metrics``).
-    :param load: the load board (default :class:`~router.load.LocalLoadBoard`).
+    :param load: the load board (default :class:`~router.shared.load.LocalLoadBoard`).
     :param tokenizers: per-model tokenizers (default: loaded from ``settings``).
     :param feed: shares an in-process index's routes with the other routers.
     """

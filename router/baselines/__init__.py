@@ -1,11 +1,11 @@
 """Routing policies by name: what ``kvrouter router --policy NAME`` runs.
 
 ``ttft`` (the default) and ``linear`` are kvrouter's own policy, two modes of one score
-(:mod:`router.policy`): the placer scores every candidate from the block index, the load
-board and the engines' gauges (:class:`router.placement.Placer`). Every other name is a
+(:mod:`router.decide.policy`): the placer scores every candidate from the block index, the load
+board and the engines' gauges (:class:`router.decide.placement.Placer`). Every other name is a
 baseline that exists for the benchmark (``kvrouter bench``, ``docs/benchmarks.md``): it runs
 inside the real router, so it pays the same proxy path as kvrouter's policy, and reads no
-block index (:class:`~router.policies.baseline.Baseline`).
+block index (:class:`~router.baselines.baseline.Baseline`).
 
 :data:`REGISTRY` names the class behind each baseline by import string, as uvicorn names its
 implementations: the settings (:mod:`router.config`) list the policies without importing the
@@ -20,16 +20,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from router.policies.baseline import Baseline, BaselineSettings, Tools
+    from router.baselines.baseline import Baseline, BaselineSettings, Tools
 
 REGISTRY: Final[Mapping[str, str | None]] = {
-    "ttft": None,  # kvrouter: router.policy.decide, in the placer
+    "ttft": None,  # kvrouter: router.decide.policy.decide, in the placer
     "linear": None,  # kvrouter's score in its linear mode
-    "round-robin": "router.policies.balance:RoundRobin",
-    "least-load": "router.policies.balance:LeastLoad",
-    "seed": "router.policies.seed:Seed",
-    "sglang": "router.policies.sglang:SGLang",
-    "oracle": "router.policies.oracle:Oracle",
+    "round-robin": "router.baselines.balance:RoundRobin",
+    "least-load": "router.baselines.balance:LeastLoad",
+    "seed": "router.baselines.seed:Seed",
+    "sglang": "router.baselines.sglang:SGLang",
+    "oracle": "router.baselines.oracle:Oracle",
 }
 """Every policy by name, kvrouter's own first: the baseline class behind it, or ``None``."""
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from router.placement import Placement
-from router.policy_types import SpeedEstimate
-from router.replicas import Replica
+from router.decide.placement import Placement
+from router.decide.policy_types import SpeedEstimate
+from router.fleet.replicas import Replica
 from tracker.core.index import describe_match
 
 
@@ -45,7 +45,7 @@ def describe_replica(
     replica: Replica, load: Any, speed: SpeedEstimate, now: float
 ) -> dict[str, Any]:
     """One replica as ``GET /replicas`` lists it: its state, ``load`` (a
-    :class:`~router.load.Load` or None) and ``speed``, engine gauges aged from ``now``."""
+    :class:`~router.shared.load.Load` or None) and ``speed``, engine gauges aged from ``now``."""
     engine = replica.engine
     return {
         "id": replica.id,

@@ -3,11 +3,11 @@
 If the router-local in-flight counts are imbalanced (``max - min >
 balance_abs_threshold`` and ``max > balance_rel_threshold · min``) the least-loaded replica;
 else the replica holding the longest prefix of the request text in an approximate
-per-replica radix tree (:mod:`router.texttree`) built from this router's own decisions, if
+per-replica radix tree (:mod:`router.baselines.texttree`) built from this router's own decisions, if
 that prefix covers more than ``cache_threshold`` of the text; else the least-loaded one. The
 text is inserted under the chosen replica. Text is what SGLang's HTTP router routes on: the
 messages' text contents joined by spaces, or the prompt
-(:func:`~router.policies.baseline.request_text`).
+(:func:`~router.baselines.baseline.request_text`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import random
 import time
 from typing import Final
 
-from router.policies.baseline import (
+from router.baselines.baseline import (
     Baseline,
     BaselineSettings,
     Choice,
@@ -24,8 +24,8 @@ from router.policies.baseline import (
     baseline_score,
     request_text,
 )
-from router.policy_types import Decision
-from router.texttree import TextTree
+from router.baselines.texttree import TextTree
+from router.decide.policy_types import Decision
 
 SGLANG_EVICTION_INTERVAL_S: Final = 120.0
 SGLANG_MAX_TREE_SIZE: Final = 1 << 26

@@ -52,7 +52,7 @@ from typing import Final
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from router.load import Load, LoadTotals
+from router.shared.load import Load, LoadTotals
 from tracker.core import lua_router
 from tracker.core.blocks import Namespace
 from tracker.core.keys import NamespaceKeys

@@ -32,7 +32,7 @@ class EngineLoad:
     at: float
     cache_blocks: int | None = None
     # of its running and waiting requests, those taken as the routers' (None: unknown): all
-    # but outside traffic seen in this scrape and the one before (router.health)
+    # but outside traffic seen in this scrape and the one before (router.fleet.health)
     routed: int | None = None
     unrouted: int = 0  # its requests no router counted at this scrape alone
 
