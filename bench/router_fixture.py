@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry
 
 from bench.corpus import Lexicon
 from router.config import RouterSettings
-from router.decide.placement import Placement, Placer
+from router.decide.decider import Decider
+from router.decide.placement import Placement
 from router.decide.request import PromptRequest, parse
 from router.decide.tokenize import TokenizerBook
-from router.http.app import Router
-from router.service import load_board
+from router.router import Router
 from router.shared.redis_load import RedisLoadBoard
 from tracker.core.backends import open_index
 from tracker.core.blocks import Namespace
@@ -102,8 +102,8 @@ class Bench:
     index: BlockIndex
 
     @property
-    def placer(self) -> Placer:
-        return self.router.placer
+    def placer(self) -> Decider:
+        return self.router.decider
 
     async def run(self, requests: Sequence[PromptRequest]) -> list[Placement]:
         return [await self.placer.place(request) for request in requests]
@@ -145,7 +145,9 @@ async def make_bench(
 ) -> Bench:
     """A router over Redis (``settings.redis``) or the embedded index, with placements."""
     index = open_index(settings.redis)
-    load = load_board(settings, index.client if isinstance(index, RedisIndex) else None)
-    router = Router(settings, index=index, registry=CollectorRegistry(), load=load, tokenizers=book)
+    client = index.client if isinstance(index, RedisIndex) else None
+    router = Router(
+        settings, index=index, registry=CollectorRegistry(), redis=client, tokenizers=book
+    )
     await populate_background(index, blocks, seed=3)
     return Bench(name, router, workload, index)

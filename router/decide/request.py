@@ -1,7 +1,7 @@
-"""The OpenAI request bodies the router reads: read, decode, check what routing needs, rewrite.
+"""The OpenAI request as the decision core takes it: a body decoded and checked for what
+routing needs (a 400 names the field at fault), and the usage an engine reports.
 
-Only the shape is checked here (a 400 names the field at fault); everything else is the
-engine's to judge, so unknown fields and values pass through untouched.
+Everything else is the engine's to judge: unknown fields and values pass through untouched.
 """
 
 from __future__ import annotations
@@ -11,19 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import msgspec
-from starlette.requests import Request
 
-from router.errors import BadRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
-from tracker.framework.http import body_limit_message, content_type_refusal, read_limited
+from router.errors import BadRequestError
 
 Endpoint = Literal["chat", "completions", "index"]
-PATHS: Final[dict[Endpoint, str]] = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-}
 _RESERVED_TEMPLATE_KEYS: Final = frozenset({"messages", "tools", "add_generation_prompt"})
 _decode = msgspec.json.Decoder().decode
-_encode = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,21 +42,6 @@ class PromptRequest:
     tools: list[Any] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The JSON request body, or :class:`PayloadTooLargeError` past ``limit`` bytes.
-
-    :raises UnsupportedMediaTypeError: the body is declared as something else than JSON (no
-        ``Content-Type`` at all is taken as JSON, as vLLM does).
-    """
-    refusal = content_type_refusal(request.headers.get("content-type"))
-    if refusal is not None:
-        raise UnsupportedMediaTypeError(refusal)
-    body = await read_limited(request, limit)
-    if body is None:
-        raise PayloadTooLargeError(body_limit_message(limit))
-    return body
 
 
 def _typed(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
@@ -170,18 +148,6 @@ def parse(raw: bytes, endpoint: Endpoint) -> PromptRequest:
         raise BadRequestError("Missing required parameter: 'prompt'.", param="prompt")
     prompt, batch = _prompt(body["prompt"])
     return PromptRequest(**common, prompt=prompt, batch=batch)
-
-
-def upstream_body(request: PromptRequest, raw: bytes) -> bytes:
-    """The body to send upstream: as received, except that a stream always asks for usage.
-
-    The usage chunk carries the engine's ``cached_tokens``, which the router compares with
-    its prediction; the proxy strips that chunk again when the client did not ask for it.
-    """
-    if not request.stream or request.include_usage:
-        return raw
-    options = request.body.get("stream_options") or {}
-    return _encode({**request.body, "stream_options": {**options, "include_usage": True}})
 
 
 def cached_tokens(usage: Any) -> int | None:

@@ -29,9 +29,20 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Final
 
 _MAX_PREFIXES: Final = 8_192  # per replica (~1 MB); the oldest go first beyond this
+
+
+@dataclass(frozen=True, slots=True)
+class Booking:
+    """One :meth:`ReuseBook.record`: the entry it wrote, and the one it replaced."""
+
+    replica: str
+    root: int
+    written: tuple[int, float]
+    replaced: tuple[int, float] | None
 
 
 class _Replica:
@@ -56,11 +67,14 @@ class ReuseBook:
         self._since = clock()
         self._replicas: dict[str, _Replica] = {}
 
-    def record(self, replica: str, root: int, blocks: int) -> None:
+    def record(self, replica: str, root: int, blocks: int) -> Booking | None:
         """A request routed to ``replica`` left ``blocks`` blocks of the chain that starts
-        with block key ``root`` cached there (its deepest there since it last lapsed counts)."""
+        with block key ``root`` cached there (its deepest there since it last lapsed counts).
+
+        Returns what to hand :meth:`withdraw` if the request never reaches the replica.
+        """
         if blocks <= 0:
-            return
+            return None
         entry = self._replicas.get(replica)
         if entry is None:
             entry = self._replicas[replica] = _Replica()
@@ -68,11 +82,26 @@ class ReuseBook:
         if old is not None:
             entry.blocks -= old[0]
             blocks = max(blocks, old[0])
-        entry.prefixes[root] = (blocks, self.clock())
+        written = (blocks, self.clock())
+        entry.prefixes[root] = written
         entry.blocks += blocks
         if len(entry.prefixes) > _MAX_PREFIXES:
             depth, _ = entry.prefixes.popitem(last=False)[1]
             entry.blocks -= depth
+        return Booking(replica, root, written, old)
+
+    def withdraw(self, booking: Booking) -> None:
+        """Take back a :meth:`record` whose request never reached the replica: the chain's
+        entry there is what it was before, unless a request recorded it again since."""
+        entry = self._replicas.get(booking.replica)
+        if entry is None or entry.prefixes.get(booking.root) != booking.written:
+            return
+        entry.blocks -= booking.written[0]
+        del entry.prefixes[booking.root]
+        if booking.replaced is not None:
+            entry.prefixes[booking.root] = booking.replaced
+            entry.prefixes.move_to_end(booking.root, last=False)
+            entry.blocks += booking.replaced[0]
 
     def valued(self, replica: str, resident: int | None) -> int | None:
         """Blocks of ``replica``'s cache in use lately: those this router saw sent there, or,

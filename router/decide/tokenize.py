@@ -31,6 +31,7 @@ from typing import Any, Final
 import xxhash
 
 from router.config import RouterSettings, model_paths
+from router.decide.request import PromptRequest
 from router.decide.segments import plan_segments, split_pieces
 from tracker.core.chat import Message, load_chat_template
 from tracker.core.tokens import Tokenizer
@@ -331,6 +332,27 @@ class TokenizerBook:
 
     def for_model(self, model: str) -> PromptTokenizer:
         return self.per_model.get(model, self.default)
+
+    async def token_ids(self, request: PromptRequest, model: str) -> list[int]:
+        """The engine's prompt token ids for ``request`` to ``model``.
+
+        :raises TokenizationError: if they cannot be known (no chat template, a content type
+            the template rejects).
+        """
+        if request.token_ids is not None:
+            return request.token_ids
+        tokenizer = self.for_model(model)
+        if request.messages is not None:
+            if not tokenizer.tokenizer.has_chat_template:
+                raise TokenizationError(f"the tokenizer of {model!r} has no chat template")
+            return await tokenizer.chat(
+                request.messages,
+                add_generation_prompt=request.add_generation_prompt,
+                tools=request.tools,
+                **request.template_kwargs,
+            )
+        assert request.prompt is not None
+        return await tokenizer.prompt(request.prompt)
 
     @classmethod
     def load(cls, settings: RouterSettings) -> TokenizerBook:

@@ -10,6 +10,7 @@ shares them with every other router.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol
@@ -98,6 +99,16 @@ class Lease:
         self.release()
 
 
+@dataclass(frozen=True, slots=True)
+class SurveyLoad:
+    """What the shared index's lookup is given to read a board's entries in its own round
+    trip: the reading router (its own entries are exact in its process) and how long its
+    presence is kept (:meth:`tracker.core.index.BlockIndex.survey`)."""
+
+    router_id: str
+    ttl_s: float
+
+
 class LoadBoard(Protocol):
     """Where routers record what they dispatched and read what every router dispatched."""
 
@@ -109,6 +120,22 @@ class LoadBoard(Protocol):
 
     def local_snapshot(self, namespace: Namespace) -> dict[str, Load]:
         """This router's own load per replica; never fails."""
+
+    def current(self, namespace: Namespace) -> dict[str, Load] | None:
+        """Every router's load without a round trip, where this board keeps it in the
+        process (its own load, or the last background read of the others'); None: read it
+        with :meth:`snapshot`."""
+
+    @property
+    def survey_load(self) -> SurveyLoad | None:
+        """Set when the board's entries live beside the shared index, whose lookup reads
+        them in the same round trip (then :meth:`merge` its answer); None otherwise."""
+
+    def merge(
+        self, namespace: Namespace, others: Mapping[str, tuple[int, int, int]]
+    ) -> dict[str, Load]:
+        """Every router's load: the others' entries as a lookup read them
+        (:attr:`tracker.core.index.Survey.load`) plus this router's own."""
 
     async def start(self) -> None:
         """Start background work."""
@@ -179,8 +206,18 @@ class LoadTotals:
 class LocalLoadBoard(LoadTotals):
     """In-process load only: a single router, or the embedded mode."""
 
+    survey_load: SurveyLoad | None = None
+
     async def snapshot(self, namespace: Namespace) -> dict[str, Load]:
         return self.local_snapshot(namespace)
+
+    def current(self, namespace: Namespace) -> dict[str, Load]:
+        return self.local_snapshot(namespace)
+
+    def merge(
+        self, namespace: Namespace, others: Mapping[str, tuple[int, int, int]]
+    ) -> dict[str, Load]:
+        return self.local_snapshot(namespace)  # no other router shares this board
 
     async def start(self) -> None:
         return None

@@ -52,7 +52,7 @@ from typing import Final
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from router.shared.load import Load, LoadTotals
+from router.shared.load import Load, LoadTotals, SurveyLoad
 from tracker.core import lua_router
 from tracker.core.blocks import Namespace
 from tracker.core.keys import NamespaceKeys
@@ -105,6 +105,8 @@ class RedisLoadBoard(LoadTotals):
         renew_interval_s: float,
         push_delay_s: float = PUSH_DELAY_S,
         view_refresh_s: float = 0.0,
+        beside_index: bool = False,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         """Share load through ``client``.
 
@@ -119,6 +121,10 @@ class RedisLoadBoard(LoadTotals):
             partition read within the last lease this often, and :meth:`view` serves the
             last read without a round trip (a router whose index is in its process keeps
             Redis out of the request path); 0: no loop, :meth:`view` is not used.
+        :param beside_index: ``client`` is the shared index's: its lookups read this board
+            in the same round trip (:attr:`survey_load`).
+        :param on_error: called with ``"load_push"`` or ``"load_read"`` on each failed write
+            or read.
         """
         super().__init__()
         if not router_id or "\x00" in router_id:
@@ -151,8 +157,8 @@ class RedisLoadBoard(LoadTotals):
         self._wanted: dict[Namespace, float] = {}
         self._refresher: asyncio.Task[None] | None = None
         self._view_failing = False
-        self.on_error: Callable[[str], None] | None = None
-        """Called with ``"load_push"`` or ``"load_read"`` on each failed write or read."""
+        self.beside_index = beside_index
+        self.on_error = on_error
 
     def _key(self, namespace: Namespace) -> str:
         key = self._keys.get(namespace)
@@ -322,6 +328,13 @@ class RedisLoadBoard(LoadTotals):
         if read is None or now - read[0] > VIEW_MAX_AGE_S:
             return self.local_snapshot(base)
         return self._combine(base, read[1], read[0])
+
+    def current(self, namespace: Namespace) -> dict[str, Load] | None:
+        return self.view(namespace) if self.view_refresh_s > 0 else None
+
+    @property
+    def survey_load(self) -> SurveyLoad | None:
+        return SurveyLoad(self.router_id, self.lease_ttl_s) if self.beside_index else None
 
     @property
     def ttl_ms(self) -> int:

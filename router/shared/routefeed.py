@@ -33,8 +33,8 @@ from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
 from tracker.core.blocks import Namespace
+from tracker.core.index import BlockIndex, Route
 from tracker.core.keys import MAX_ROUTES, NamespaceKeys
-from tracker.core.memory_index import MemoryIndex
 from tracker.framework.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -72,17 +72,20 @@ class RouteFeed:
 
     :param client: used, not owned (give it a socket timeout).
     :param since_s: how far back a partition's first read starts (the home lifetime).
+    :param on_error: called with ``"route_write"`` or ``"route_read"`` on each failed write
+        or read.
     """
 
     def __init__(
         self,
         client: redis.Redis,
         router_id: str,
-        index: MemoryIndex,
+        index: BlockIndex,
         *,
         refresh_s: float,
         since_s: float,
         push_delay_s: float = 0.002,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         if refresh_s <= 0:
             raise ValueError("refresh_s must be positive")
@@ -101,28 +104,18 @@ class RouteFeed:
         self._last: dict[str, bytes] = {}  # stream key -> last id read
         self._clock: tuple[float, int] | None = None  # (monotonic, Redis ms) at one instant
         self._failing = False
-        self.on_error: Callable[[str], None] | None = None
-        """Called with ``"route_write"`` or ``"route_read"`` on each failed write or read."""
+        self.on_error = on_error
 
-    def publish(
-        self,
-        namespace: Namespace,
-        replica: str,
-        keys: Sequence[int],
-        *,
-        ttl_s: float,
-        anchors: Sequence[int],
-        home_ttl_s: float,
-    ) -> None:
+    def publish(self, namespace: Namespace, route: Route) -> None:
         """Queue a route this router just recorded in its own index; never waits."""
         stream = self._stream(namespace)
         fields: dict[FieldT, EncodableT] = {
             b"r": self.router_id,
-            b"p": replica.encode(),
-            b"k": _pack(keys),
-            b"t": round(ttl_s * 1000),
-            b"a": _pack(anchors),
-            b"h": round(home_ttl_s * 1000),
+            b"p": route.replica.encode(),
+            b"k": _pack(route.keys),
+            b"t": round(route.ttl_s * 1000),
+            b"a": _pack(route.anchors),
+            b"h": round(route.home_ttl_s * 1000),
         }
         self._pending.append((stream, fields))
         if self._pusher is None or self._pusher.done():
@@ -197,15 +190,8 @@ class RouteFeed:
                     self.stats.malformed += 1
                     logger.debug("skipping a malformed route entry", extra={"error": str(exc)})
                     continue
-                self.index.record_route(
-                    namespace,
-                    replica,
-                    keys,
-                    ttl_s=ttl_s,
-                    anchors=anchors,
-                    home_ttl_s=home_ttl_s,
-                    age_s=age_s,
-                )
+                route = Route(replica, keys, ttl_s, anchors, home_ttl_s, age_s)
+                self.index.route_now(namespace, route)
                 applied += 1
         self.stats.applied += applied
         return applied

@@ -12,6 +12,7 @@ Predictions and home claims are written in the background, never delaying a requ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -23,11 +24,9 @@ from prometheus_client import Gauge
 
 from router.metrics import RouterMetrics
 from router.shared.load import Load, LoadBoard
-from router.shared.redis_load import RedisLoadBoard
 from router.shared.routefeed import RouteFeed
 from tracker.core.blocks import Namespace
-from tracker.core.index import BlockIndex, Home, Match, Residency, Survey
-from tracker.core.memory_index import MemoryIndex
+from tracker.core.index import BlockIndex, Home, Match, Residency, Route, Survey
 from tracker.framework.errors import IndexUnavailableError
 from tracker.framework.lifecycle import cancel_and_wait
 
@@ -160,8 +159,8 @@ def _view_of(survey: Survey, loads: dict[str, Load]) -> SharedView:
     )
 
 
-class GuardedIndex:
-    """The index and load board behind a time budget and a circuit breaker.
+class SharedState:
+    """The index and the load board behind a time budget and a circuit breaker.
 
     :param budget_s: how long one lookup (placements and load, concurrently) may take.
     :param per_block_s: extra budget per block of the chain: the server-side walk is linear
@@ -191,16 +190,6 @@ class GuardedIndex:
         self.load = load
         self.lag = lag
         self.feed = feed
-        # the index and the load as this process knows them: read without suspending
-        self._in_process = index if isinstance(index, MemoryIndex) and index.synchronous else None
-        if isinstance(load, RedisLoadBoard) and load.view_refresh_s <= 0:
-            self._in_process = None  # the load is read from Redis with every lookup
-        # the load board's hash lives beside the index: one script reads both
-        self._board = (
-            load
-            if isinstance(load, RedisLoadBoard) and getattr(index, "client", None) is load.client
-            else None
-        )
         self.metrics = metrics
         self.budget_s = budget_s
         self.per_block_s = per_block_s
@@ -224,31 +213,26 @@ class GuardedIndex:
         """Placements of ``keys`` and every router's load; never raises for the index's sake."""
         if self.feed is not None:
             self.feed.want(namespace)
-        if self._in_process is not None:
-            # nothing to wait for, nothing that fails: no budget, no breaker
-            survey = self._in_process.survey_now(namespace, keys)
-            if isinstance(self.load, RedisLoadBoard):  # as last read in the background
-                loads = self.load.view(namespace)
-            else:
-                loads = self.load.local_snapshot(namespace)
-            return _view_of(survey, loads)
+        loads = self.load.current(namespace)
+        if loads is not None:
+            survey = self.index.survey_now(namespace, keys)
+            if survey is not None:  # nothing to wait for, nothing that fails: no budget
+                return _view_of(survey, loads)
         if not self.breaker.allow():
             return self._fallback(namespace, "breaker_open")
         try:
             async with asyncio.timeout(self._budget(len(keys))):
-                if self._board is not None:
-                    board = self._board
+                beside = self.load.survey_load
+                if beside is not None:  # the board lives beside the index: one script reads both
                     survey = await self.index.survey(
-                        namespace, keys, load_except=board.router_id, load_ttl_s=board.lease_ttl_s
+                        namespace, keys, load_except=beside.router_id, load_ttl_s=beside.ttl_s
                     )
-                    loads = board.merge(namespace, survey.load or {})
-                elif isinstance(self.load, RedisLoadBoard):  # two stores: both at once
-                    survey, loads = await asyncio.gather(
-                        self.index.survey(namespace, keys), self.load.snapshot(namespace)
-                    )
-                else:  # the board is in this process: no task to wait for a turn of the loop
+                    loads = self.load.merge(namespace, survey.load or {})
+                else:
                     survey = await self.index.survey(namespace, keys)
-                    loads = await self.load.snapshot(namespace)
+                    loads = self.load.current(namespace)
+                    if loads is None:
+                        loads = await self.load.snapshot(namespace)
         except TimeoutError:
             self.breaker.failure()
             return self._fallback(namespace, "timeout")
@@ -284,63 +268,41 @@ class GuardedIndex:
         self.metrics.fallbacks.labels(reason).inc()
         return SharedView({}, self.load.local_snapshot(namespace), reason)
 
-    def predict(
-        self,
-        namespace: Namespace,
-        replica: str,
-        keys: Sequence[int],
-        ttl_s: float,
-        *,
-        anchors: Sequence[int] = (),
-        home_ttl_s: float = 0.0,
-    ) -> None:
-        """Record that ``replica`` is about to hold ``keys`` and is the home of ``anchors``
-        (:meth:`tracker.core.index.BlockIndex.claim`): at once in an index in this process, in
-        the background in a remote one."""
-        keys = keys if ttl_s > 0 else ()
-        anchors = anchors if home_ttl_s > 0 else ()
-        if not keys and not anchors:
+    def record(self, namespace: Namespace, route: Route) -> None:
+        """Record that ``route.replica`` is about to hold ``route.keys`` and is the home of
+        ``route.anchors`` (:meth:`tracker.core.index.BlockIndex.route`): at once in an index
+        in this process, in the background in a remote one."""
+        if route.ttl_s <= 0 or route.home_ttl_s <= 0:
+            route = dataclasses.replace(
+                route,
+                keys=route.keys if route.ttl_s > 0 else (),
+                anchors=route.anchors if route.home_ttl_s > 0 else (),
+            )
+        if not route.keys and not route.anchors:
             return
         if self.breaker.state != "closed" or len(self._pending) >= MAX_PENDING_PREDICTIONS:
             self.metrics.predictions.labels("skipped").inc()
             return
-        if isinstance(self.index, MemoryIndex):
-            # In this process: recorded now. As a task, a request tokenized meanwhile (its
-            # resumption queued first) was placed without the first's prediction or home and
-            # copied a new prefix to an idle engine (tests/router/test_startup_copies.py, on
-            # a loaded host).
-            self.index.record_route(
-                namespace, replica, keys, ttl_s=ttl_s, anchors=anchors, home_ttl_s=home_ttl_s
-            )
+        # In this process: recorded now. As a task, a request tokenized meanwhile (its
+        # resumption queued first) was placed without the first's prediction or home and
+        # copied a new prefix to an idle engine (tests/router/test_startup_copies.py).
+        if self.index.route_now(namespace, route):
             if self.feed is not None:
-                self.feed.publish(
-                    namespace, replica, keys, ttl_s=ttl_s, anchors=anchors, home_ttl_s=home_ttl_s
-                )
+                self.feed.publish(namespace, route)
             self.metrics.predictions.labels("ok").inc()
             return
-        task = asyncio.get_running_loop().create_task(
-            self._predict(namespace, replica, (list(keys), ttl_s), (list(anchors), home_ttl_s))
-        )
+        task = asyncio.get_running_loop().create_task(self._record(namespace, route))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _predict(
-        self,
-        namespace: Namespace,
-        replica: str,
-        predictions: tuple[list[int], float],
-        homes: tuple[list[int], float],
-    ) -> None:
-        (keys, ttl_s), (anchors, home_ttl_s) = predictions, homes
+    async def _record(self, namespace: Namespace, route: Route) -> None:
         try:
             async with asyncio.timeout(max(PREDICT_TIMEOUT_S, self.budget_s)):
-                await self.index.route(
-                    namespace, replica, keys, ttl_s=ttl_s, anchors=anchors, home_ttl_s=home_ttl_s
-                )
+                await self.index.route(namespace, route)
         except (TimeoutError, IndexUnavailableError) as exc:
             self.breaker.failure()
             self.metrics.predictions.labels("error").inc()
-            logger.debug("prediction failed", extra={"replica": replica, "error": str(exc)})
+            logger.debug("prediction failed", extra={"replica": route.replica, "error": str(exc)})
             return
         self.metrics.predictions.labels("ok").inc()
 

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(60)
 
 async def prefer(service: RouterService, replica: str, body: dict[str, Any]) -> None:
     """Make ``replica`` the best choice for ``body`` (a prediction covering its prompt)."""
-    ids = service.router.placer.tokenizers.default.chat_sync(body["messages"])
+    ids = service.router.decider.tokenizers.default.chat_sync(body["messages"])
     await service.router.index.predict(SIM, replica, block_keys(ids, SIM), 60.0)
 
 

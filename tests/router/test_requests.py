@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.decide.request import cached_tokens, parse, upstream_body
+from router.decide.request import cached_tokens, parse
 from router.errors import BadRequestError
+from router.http.body import upstream_body
 from router.http.sse import UsageFilter
 
 
