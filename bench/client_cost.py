@@ -24,7 +24,7 @@ import aiohttp
 import httpx
 
 from bench.stack.ports import free_ports
-from router.upstream import KEEPALIVE_EXPIRY_S
+from router.fleet.upstream import KEEPALIVE_EXPIRY_S
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings, setting
 

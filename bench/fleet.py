@@ -10,7 +10,7 @@ from typing import Final
 from bench.stack.config import StackConfig, VllmEngines
 from publishers.config import EngineShape, shape_fields
 from publishers.sim.latency import LatencyProfile, load_profile
-from router.policy_types import PolicyConfig, SpeedEstimate
+from router.decide.policy_types import PolicyConfig, SpeedEstimate
 
 # Real-time router guards sized for a shared benchmark machine, where the router's event loop
 # and Redis are descheduled for tens of ms at a time (docs/benchmarks.md); deployments keep

@@ -24,8 +24,8 @@ from bench.peers import PEERS, PeerArm, Worker, executable
 from bench.stack.local import LocalStack
 from bench.stack.processes import StackError
 from bench.workloads import Workload
-from router.policies import BASELINES
-from router.policies import POLICIES as ROUTER_POLICIES
+from router.baselines import BASELINES
+from router.baselines import POLICIES as ROUTER_POLICIES
 
 KVROUTER: Final = ROUTER_POLICIES[0]  # kvrouter's own policy, first in the registry (ttft)
 BOUND: Final = "oracle"  # reads the engines' real caches: the upper bound, run last in-router
@@ -33,7 +33,7 @@ POLICY_FLAGS: Final = {name: name for name in BASELINES if name != BOUND} | {
     "kvrouter": KVROUTER,
     BOUND: BOUND,
 }
-"""The benchmark's in-router arms, by name: the router's baselines (:mod:`router.policies`)
+"""The benchmark's in-router arms, by name: the router's baselines (:mod:`router.baselines`)
 and kvrouter's own policy, each with the ``--policy`` the routers run it with."""
 POLICIES: Final = (*POLICY_FLAGS, *PEERS)
 """Every arm of the benchmark: the in-router ones, then the real peers (:mod:`bench.peers`)."""

@@ -24,7 +24,7 @@ from tracker.core.backends import open_index
 from tracker.core.blocks import Namespace, block_keys
 from tracker.core.event_codec import WireEra, decode_batch, encode_batch
 from tracker.core.events import BlockStored, EventBatch, ExternalHash
-from tracker.core.index import BlockIndex
+from tracker.core.index import BlockIndex, Route
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings, setting
@@ -144,9 +144,7 @@ async def request_capacity(
         nonlocal done
         while loop.time() < deadline:
             await index.survey(NAMESPACE, keys, load_except=f"bench-router-{n}")
-            await index.route(
-                NAMESPACE, f"capacity-{n % 8}", new, ttl_s=3.0, anchors=anchors, home_ttl_s=60.0
-            )
+            await index.route(NAMESPACE, Route(f"capacity-{n % 8}", new, 3.0, anchors, 60.0))
             done += 1
 
     cpu, start = redis_cpu_s(url), time.perf_counter()

@@ -21,7 +21,7 @@ import aiohttp
 import msgspec
 
 from bench.workloads import Conversation, Workload, messages
-from router.upstream import KEEPALIVE_EXPIRY_S
+from router.fleet.upstream import KEEPALIVE_EXPIRY_S
 
 REPLICA_HEADER: Final = "x-kvrouter-replica"
 ENGINE_HEADER: Final = "x-kvrouter-engine"

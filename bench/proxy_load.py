@@ -28,7 +28,7 @@ import aiohttp
 
 from bench.stack.config import StackConfig
 from bench.stack.local import LocalStack
-from router.upstream import KEEPALIVE_EXPIRY_S
+from router.fleet.upstream import KEEPALIVE_EXPIRY_S
 
 MODEL: Final = "default"
 PATH: Final = "/v1/chat/completions"

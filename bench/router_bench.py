@@ -29,13 +29,13 @@ from prometheus_client import CollectorRegistry
 from bench.corpus import Lexicon, train_tokenizer
 from bench.proxy_load import ProxySettings, measure, percentile, proxy_table
 from bench.stack.redis_servers import RedisServer
-from router.app import Router
 from router.config import RouterSettings
-from router.placement import Placement, Placer
-from router.redis_load import RedisLoadBoard
-from router.requests import PromptRequest, parse
-from router.service import load_board
-from router.tokenize import TokenizerBook
+from router.decide.decider import Decider
+from router.decide.placement import Placement
+from router.decide.request import PromptRequest, parse
+from router.decide.tokenize import TokenizerBook
+from router.router import Router
+from router.shared.redis_load import RedisLoadBoard
 from tracker.core.backends import open_index
 from tracker.core.blocks import Namespace
 from tracker.core.events import BlockStored, EventBatch, ExternalHash
@@ -110,7 +110,7 @@ async def populate_background(index: BlockIndex, blocks: int, seed: int) -> None
 
 @dataclass
 class Bench:
-    """One router (its placer, index and load board) and the text to feed it."""
+    """One router (its decision core, index and load board) and the text to feed it."""
 
     name: str
     router: Router
@@ -118,11 +118,11 @@ class Bench:
     index: BlockIndex
 
     @property
-    def placer(self) -> Placer:
-        return self.router.placer
+    def decider(self) -> Decider:
+        return self.router.decider
 
     async def run(self, requests: Sequence[PromptRequest]) -> list[Placement]:
-        return [await self.placer.place(request) for request in requests]
+        return [await self.decider.place(request) for request in requests]
 
 
 def router_settings(redis_url: str | None, tokenizer_dir: Path) -> RouterSettings:
@@ -161,8 +161,10 @@ async def make_bench(
 ) -> Bench:
     """A router over Redis (``settings.redis``) or the embedded index, with placements."""
     index = open_index(settings.redis)
-    load = load_board(settings, index.client if isinstance(index, RedisIndex) else None)
-    router = Router(settings, index=index, registry=CollectorRegistry(), load=load, tokenizers=book)
+    client = index.client if isinstance(index, RedisIndex) else None
+    router = Router(
+        settings, index=index, registry=CollectorRegistry(), redis=client, tokenizers=book
+    )
     await populate_background(index, blocks, seed=3)
     return Bench(name, router, workload, index)
 
@@ -208,7 +210,7 @@ async def repeated_prefix(
     """
     workload = benches[0].workload
     prefix = workload.conversation(rng, size - QUESTION_TOKENS)
-    tokenizer = benches[0].placer.tokenizers.for_model(MODEL).tokenizer
+    tokenizer = benches[0].decider.tokenizers.for_model(MODEL).tokenizer
     served = tokenizer.chat_token_ids([*prefix, workload.question(rng)])
     warmup = 3
     results = {}
@@ -244,7 +246,7 @@ async def never_seen(
     bench: Bench, size: int, iterations: int, rng: random.Random
 ) -> dict[str, Any]:
     """A brand-new conversation every request; also the raw tokenizer on the same text."""
-    tokenizer = bench.placer.tokenizers.for_model(MODEL).tokenizer
+    tokenizer = bench.decider.tokenizers.for_model(MODEL).tokenizer
     placements: list[Placement] = []
     raw: list[float] = []
     ratios: list[float] = []
@@ -263,9 +265,9 @@ async def never_seen(
         # Alternate the order: neither side always runs right after the other.
         if i % 2:
             seconds = encode()
-            placement = await bench.placer.place(request)
+            placement = await bench.decider.place(request)
         else:
-            placement = await bench.placer.place(request)
+            placement = await bench.decider.place(request)
             seconds = encode()
         if i == 0:
             continue  # warm-up

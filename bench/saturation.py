@@ -34,7 +34,7 @@ from bench.overhead import EMBEDDED, LOCAL_INDEX, start_kvrouter, start_peers
 from bench.peers import installed, named
 from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, one_stream, percentile
 from bench.stack.local import LocalStack
-from router.upstream import KEEPALIVE_EXPIRY_S
+from router.fleet.upstream import KEEPALIVE_EXPIRY_S
 from tracker.framework.cli import parse_argv
 from tracker.framework.errors import ConfigError
 from tracker.framework.settings import Settings, comma_list, setting

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
-from router.policies import POLICIES
-from router.policy_types import DEFAULT_SPEED, PolicyConfig, SpeedEstimate
+from router.baselines import POLICIES
+from router.decide.policy_types import DEFAULT_SPEED, PolicyConfig, SpeedEstimate
 from tracker.core.index import LOAD_TTL_S
 from tracker.core.replicas import ReplicaSpec
 from tracker.framework.config import ServiceSettings
@@ -325,7 +325,7 @@ class RouterSettings(ServiceSettings):
 
     @property
     def prefill_seed(self) -> SpeedEstimate:
-        """Where the learned prefill speed starts (:class:`router.estimator.SpeedBook`)."""
+        """Where the learned prefill speed starts (:class:`router.decide.estimator.SpeedBook`)."""
         return SpeedEstimate(self.prefill_floor_ms, self.prefill_ms_per_token)
 
     def policy_config(self, block_size: int) -> PolicyConfig:

@@ -204,6 +204,10 @@ class RouterMetrics:
             ("what",),
         )
 
+    def shared_error(self, what: str) -> None:
+        """A background write or read of the shared state failed (``what``: see above)."""
+        self.shared_errors.labels(what).inc()
+
     def forget_replica(self, replica: str) -> None:
         """Drop the per-replica gauges of a replica that left."""
         for gauge in (self.inflight, self.replica_healthy):

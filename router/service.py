@@ -5,8 +5,8 @@ every other router and tracker. Without it the router is self-contained: an in-p
 :class:`~tracker.core.memory_index.MemoryIndex` fed by an in-process
 :mod:`tracker.ingest.embedded` tracker consuming the ``--replica`` event endpoints. With
 both and ``--local-index`` the index is the router's own, fed as without Redis, and the load
-and the routes are shared (:class:`~router.redis_load.RedisLoadBoard`,
-:class:`~router.routefeed.RouteFeed`; read in the background, so no request waits for Redis).
+and the routes are shared (:class:`~router.shared.redis_load.RedisLoadBoard`,
+:class:`~router.shared.routefeed.RouteFeed`; read in the background, so no request waits for Redis).
 Shutdown (SIGTERM/SIGINT): stop accepting, let in-flight requests and streams finish within
 ``shutdown_timeout_s`` (uvicorn cancels the rest), then close everything; a second signal
 cuts the drain short.
@@ -24,13 +24,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
-from router.app import Router, create_app
 from router.config import RouterSettings
-from router.load import LoadBoard, LocalLoadBoard
-from router.redis_load import RedisLoadBoard, new_router_id
-from router.routefeed import REFRESH_S as ROUTE_REFRESH_S
-from router.routefeed import RouteFeed
-from router.tokenize import TokenizerBook
+from router.decide.tokenize import TokenizerBook
+from router.http.app import Routes, create_app
+from router.router import Router
+from router.shared.redis_load import new_router_id
 from tracker.core.backends import open_index
 from tracker.core.index import BlockIndex
 from tracker.core.redis_client import RedisConnection, open_redis
@@ -61,28 +59,6 @@ def tracker_settings(settings: RouterSettings) -> TrackerSettings:
         shutdown_timeout_s=min(5.0, settings.shutdown_timeout_s),
         log_level=settings.log_level,
         log_format=settings.log_format,
-    )
-
-
-def load_board(
-    settings: RouterSettings, client: redis.Redis | None = None, *, view_refresh_s: float = 0.0
-) -> LoadBoard:
-    """The router's load board: with a Redis ``client``, a
-    :class:`~router.redis_load.RedisLoadBoard` shared with every other router, as
-    ``settings.router_id``, with ``settings.lease_ttl_s`` and ``settings.load_renew_s`` (and
-    ``view_refresh_s``: > 0 reads the others' load in the background); without, a
-    :class:`~router.load.LocalLoadBoard` of this process alone.
-
-    :raises ValueError: with a client and no ``settings.router_id``.
-    """
-    if client is None:
-        return LocalLoadBoard()
-    return RedisLoadBoard(
-        client,
-        settings.router_id or "",
-        lease_ttl_s=settings.lease_ttl_s,
-        renew_interval_s=settings.load_renew_s,
-        view_refresh_s=view_refresh_s,
     )
 
 
@@ -124,30 +100,25 @@ class RouterService:
         router: Router = self.app.state.router
         return router
 
+    @property
+    def routes(self) -> Routes:
+        assert self.app is not None, "not started"
+        routes: Routes = self.app.state.routes
+        return routes
+
     async def start(self) -> None:
         """Open the index, start the embedded tracker, serve; undo everything on failure."""
         settings = self.settings
         try:
-            feed: RouteFeed | None = None
-            load: LoadBoard
+            client: redis.Redis | None = None
             if settings.redis and not settings.local_index:  # the shared index
-                index = open_index(settings.redis)
-                self.index = index
-                load = load_board(settings, index.client)
+                shared = open_index(settings.redis)
+                self.index, client = shared, shared.client
             else:  # the index is this process's own; load and routes shared through Redis
                 self.index = open_index(None)
-                client: redis.Redis | None = None
                 if settings.redis:
                     self._redis = open_redis(settings.redis)
                     client = self._redis.client
-                    feed = RouteFeed(
-                        client,
-                        self.router_id,
-                        self.index,
-                        refresh_s=settings.load_refresh_ms / 1000 or ROUTE_REFRESH_S,
-                        since_s=settings.home_ttl_s,
-                    )
-                load = load_board(settings, client, view_refresh_s=settings.load_refresh_ms / 1000)
                 if settings.replica:
                     self.tracker = await start_embedded(
                         tracker_settings(settings), self.index, self.registry
@@ -157,9 +128,8 @@ class RouterService:
                 settings,
                 index=self.index,
                 registry=self.registry,
-                load=load,
+                redis=client,
                 tokenizers=tokenizers,
-                feed=feed,
             )
             await self._serve(self.app)
         except BaseException:
@@ -221,12 +191,12 @@ class RouterService:
         self._stopping.set()
         inflight = 0
         if self.app is not None:
-            self.router.draining = True
-            inflight = self.router.proxy.inflight
+            self.routes.draining = True
+            inflight = self.routes.proxy.inflight
         logger.info("router draining", extra={"inflight": inflight})
         if self._http is not None:
             await self._http.stop()
-        left = self.router.proxy.inflight if self.app is not None else 0
+        left = self.routes.proxy.inflight if self.app is not None else 0
         await self._close()
         logger.info("router stopped", extra={"drained": inflight - left, "cancelled": left})
 

@@ -196,7 +196,7 @@ SERVICE_ENTRIES = frozenset({"tracker.ingest.embedded", "tracker.ingest.config"}
 
 
 def part_of(module: str) -> str:
-    """``tracker.core.index`` -> ``tracker.core``; ``router.policies.seed`` -> ``router``."""
+    """``tracker.core.index`` -> ``tracker.core``; ``router.baselines.seed`` -> ``router``."""
     head, _, rest = module.partition(".")
     sub = rest.partition(".")[0]
     return f"{head}.{sub}" if head == "tracker" and f"{head}.{sub}" in ALLOWED else head

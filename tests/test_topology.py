@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stack.config import StackConfig
 from bench.stack.local import LocalStack
-from router.proxy import REPLICA_HEADER
+from router.http.proxy import REPLICA_HEADER
 
 pytestmark = pytest.mark.timeout(60)
 

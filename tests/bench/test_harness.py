@@ -11,9 +11,9 @@ from bench.harness import POLICIES, POLICY_FLAGS
 from bench.peers import PEERS
 from publishers.config import EngineShape, ReplicaSettings, shape_fields
 from publishers.sim.latency import load_profile
-from router.policies import BASELINES
-from router.policies import POLICIES as ROUTER_POLICIES
-from router.policy_types import DEFAULT_SPEED, PolicyConfig
+from router.baselines import BASELINES
+from router.baselines import POLICIES as ROUTER_POLICIES
+from router.decide.policy_types import DEFAULT_SPEED, PolicyConfig
 
 
 def test_the_simulated_h200_prefills_at_the_calibrated_speed() -> None:

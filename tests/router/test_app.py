@@ -8,10 +8,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.app import create_app
 from router.config import RouterSettings
-from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
-from router.tokenize import TokenizerBook
+from router.decide.tokenize import TokenizerBook
+from router.http.app import create_app
+from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.router.harness import (
     SYSTEM,
     base_url,

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from router.proxy import PREDICTED_HEADER
+from router.http.proxy import PREDICTED_HEADER
 from tests.router.harness import (
     SYSTEM,
     base_url,

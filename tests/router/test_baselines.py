@@ -15,17 +15,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from router.baselines import BASELINES, POLICIES, baseline_class, make_baseline
+from router.baselines.balance import LeastLoad, RoundRobin
+from router.baselines.baseline import Baseline, Choice, Tools, request_text
+from router.baselines.oracle import PROBE_PATH, Oracle
+from router.baselines.seed import Seed, seed_key
+from router.baselines.sglang import SGLang
 from router.config import RouterSettings
-from router.load import Load, LocalLoadBoard
-from router.policies import BASELINES, POLICIES, baseline_class, make_baseline
-from router.policies.balance import LeastLoad, RoundRobin
-from router.policies.baseline import Baseline, Choice, Tools, request_text
-from router.policies.oracle import PROBE_PATH, Oracle
-from router.policies.seed import Seed, seed_key
-from router.policies.sglang import SGLang
-from router.replicas import Replica
-from router.requests import PromptRequest, parse
-from router.upstream import UpstreamClient
+from router.decide.request import PromptRequest, parse
+from router.fleet.replicas import Replica
+from router.fleet.upstream import UpstreamClient
+from router.shared.load import Load, LocalLoadBoard
 from tests.factories import SIM
 from tests.router.harness import SYSTEM, base_url, chat, engines, router
 from tracker.core.blocks import Namespace

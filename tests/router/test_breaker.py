@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.breaker import CircuitBreaker, GuardedIndex, LoopLag
-from router.load import LocalLoadBoard
 from router.metrics import RouterMetrics
+from router.shared.load import LocalLoadBoard
+from router.shared.state import CircuitBreaker, LoopLag, SharedState
 from tests.clock import ManualClock
 from tests.factories import SIM
 from tracker.core.blocks import Namespace
-from tracker.core.index import Match
+from tracker.core.index import Match, Route
 from tracker.core.memory_index import MemoryIndex
 from tracker.framework.errors import IndexUnavailableError
 
@@ -74,16 +74,21 @@ class FlakyIndex(MemoryIndex):
             raise IndexUnavailableError("redis predict failed")
         await super().predict(namespace, replica, keys, ttl_s)
 
+    async def route(self, namespace: Namespace, route: Route) -> None:
+        if self.fail:
+            raise IndexUnavailableError("redis route failed")
+        await super().route(namespace, route)
+
 
 async def test_slow_or_failing_index_falls_back_to_local_load() -> None:
     index = FlakyIndex()
     board = LocalLoadBoard()
     registry = CollectorRegistry()
-    guarded = GuardedIndex(
+    guarded = SharedState(
         index, board, RouterMetrics(registry), budget_s=0.01, failures=3, cooldown_s=0.2
     )
     lease = board.acquire(SIM, "r1", 100)
-    guarded.predict(SIM, "r1", [1, 2, 3], 10.0)
+    guarded.record(SIM, Route("r1", [1, 2, 3], 10.0))
     await asyncio.sleep(0)
     view = await guarded.view(SIM, [1, 2, 3])
     assert (view.fallback, view.matches["r1"].blocks) == (None, 3)
@@ -104,7 +109,7 @@ async def test_slow_or_failing_index_falls_back_to_local_load() -> None:
     assert fallbacks == 2
     assert registry.get_sample_value("kvrouter_router_index_breaker_open") == 1
 
-    guarded.predict(SIM, "r1", [4], 10.0)  # skipped while the breaker is open
+    guarded.record(SIM, Route("r1", [4], 10.0))  # skipped while the breaker is open
     assert registry.get_sample_value("kvrouter_router_predictions_total", {"status": "skipped"})
 
     index.delay = 0.0
@@ -116,7 +121,7 @@ async def test_slow_or_failing_index_falls_back_to_local_load() -> None:
     index.fail = True
     view = await guarded.view(SIM, [1])
     assert view.fallback == "error"
-    guarded.predict(SIM, "r1", [5], 10.0)
+    guarded.record(SIM, Route("r1", [5], 10.0))
     await guarded.stop()
     await asyncio.sleep(0)
     lease.release()
@@ -124,10 +129,10 @@ async def test_slow_or_failing_index_falls_back_to_local_load() -> None:
 
 def guarded_index(
     index: MemoryIndex, *, cooldown_s: float = 1.0, lag: LoopLag | None = None
-) -> GuardedIndex:
+) -> SharedState:
     """``index`` with a local load board behind a 10 ms budget and a 3-failure breaker."""
     metrics = RouterMetrics(CollectorRegistry())
-    return GuardedIndex(
+    return SharedState(
         index, LocalLoadBoard(), metrics, budget_s=0.01, failures=3, cooldown_s=cooldown_s, lag=lag
     )
 
@@ -136,7 +141,7 @@ def guarded_index(
 async def test_no_prediction_without_ttl(ttl: float) -> None:
     index = FlakyIndex()
     guarded = guarded_index(index)
-    guarded.predict(SIM, "r1", [1], ttl)
+    guarded.record(SIM, Route("r1", [1], ttl))
     await asyncio.sleep(0)
     assert await index.lookup(SIM, [1]) == {}
 
@@ -161,7 +166,7 @@ async def test_a_reply_late_only_because_the_loop_was_busy_is_waited_for() -> No
     await index.predict(SIM, "r1", [1, 2, 3], 10.0)
     index.delay = 0.005
 
-    async def busy_lookups(guarded: GuardedIndex) -> list[str | None]:
+    async def busy_lookups(guarded: SharedState) -> list[str | None]:
         reasons = []
         for _ in range(3):
             asyncio.get_running_loop().call_soon(time.sleep, 0.04)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.churn import ChurnBook
+from router.decide.churn import ChurnBook
 from tests.clock import ManualClock
 from tracker.core.index import Residency
 

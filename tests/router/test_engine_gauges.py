@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from router.health import _PARALLEL
+from router.fleet.health import _PARALLEL
 from tests.router.harness import (
     base_url,
     chat,

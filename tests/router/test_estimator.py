@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.estimator import SpeedBook, SpeedModel
-from router.policy_types import DEFAULT_SPEED, SpeedEstimate
+from router.decide.estimator import SpeedBook, SpeedModel
+from router.decide.policy_types import DEFAULT_SPEED, SpeedEstimate
 
 
 def _feed(

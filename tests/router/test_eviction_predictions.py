@@ -16,7 +16,7 @@ import asyncio
 import httpx
 import pytest
 
-from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.router.harness import base_url, chat, engines, router
 
 pytestmark = pytest.mark.timeout(90)

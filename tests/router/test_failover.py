@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from router.proxy import FALLBACK_HEADER, PREDICTED_HEADER, REPLICA_HEADER
+from router.http.proxy import FALLBACK_HEADER, PREDICTED_HEADER, REPLICA_HEADER
 from router.service import RouterService
 from tests.factories import SIM
 from tests.procs import RedisServer, free_port, free_ports
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(60)
 
 async def prefer(service: RouterService, replica: str, body: dict[str, Any]) -> None:
     """Make ``replica`` the best choice for ``body`` (a prediction covering its prompt)."""
-    ids = service.router.placer.tokenizers.default.chat_sync(body["messages"])
+    ids = service.router.decider.tokenizers.default.chat_sync(body["messages"])
     await service.router.index.predict(SIM, replica, block_keys(ids, SIM), 60.0)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.load import Load, LoadBoard, LocalLoadBoard
+from router.shared.load import Load, LoadBoard, LocalLoadBoard
 from tests.factories import LOAD as NS
 from tests.factories import LOAD_OTHER as OTHER
 from tracker.core.blocks import Namespace

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from router.config import RouterSettings
-from router.load import LocalLoadBoard
-from router.redis_load import RedisLoadBoard
-from router.service import load_board
+from router.router import load_board
+from router.shared.load import LocalLoadBoard
+from router.shared.redis_load import RedisLoadBoard
 from tracker.core.backends import open_index
 
 SETTINGS = RouterSettings(

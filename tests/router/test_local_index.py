@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from router.load import Load
-from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
-from router.redis_load import RedisLoadBoard
+from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from router.service import RouterService
+from router.shared.load import Load
+from router.shared.redis_load import RedisLoadBoard
 from tests.factories import SIM
 from tests.procs import RedisServer
 from tests.router.harness import SYSTEM, base_url, chat, engines, metric, router, wait_until

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.router.harness import base_url, engines, router, wait_until
 
 pytestmark = pytest.mark.timeout(60)

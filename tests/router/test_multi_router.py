@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.procs import free_port
 from tests.router.harness import (
     SYSTEM,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.occupancy import OccupancyBook
+from router.decide.occupancy import OccupancyBook
 from tests.clock import ManualClock
 
 

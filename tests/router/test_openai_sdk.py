@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 
-from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from router.service import RouterService
 from tests.router.harness import SYSTEM, base_url, engines, router
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.policy import decide
-from router.policy_types import DEFAULT_SPEED, PolicyConfig, ReplicaState, SpeedEstimate
-from router.scoring import score_replica
+from router.decide.policy import decide
+from router.decide.policy_types import DEFAULT_SPEED, PolicyConfig, ReplicaState, SpeedEstimate
+from router.decide.scoring import score_replica
 
 CONFIG = PolicyConfig()
 S = DEFAULT_SPEED.prefill_ms_per_token

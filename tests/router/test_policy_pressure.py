@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from router.policy import decide
-from router.policy_types import DEFAULT_SPEED, PolicyConfig, ReplicaState
-from router.scoring import (
+from router.decide.policy import decide
+from router.decide.policy_types import DEFAULT_SPEED, PolicyConfig, ReplicaState
+from router.decide.scoring import (
     eviction_share,
     fleet_of,
     projected_kv_usage,

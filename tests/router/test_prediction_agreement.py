@@ -15,7 +15,7 @@ import json
 import httpx
 import pytest
 
-from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.router.harness import base_url, engines, metric, router
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as redis
 
 from bench.stack.redis_servers import RedisServer
-from router.load import Load, LoadBoard
-from router.redis_load import VIEW_MAX_AGE_S, RedisLoadBoard, new_router_id
+from router.shared.load import Load, LoadBoard
+from router.shared.redis_load import VIEW_MAX_AGE_S, RedisLoadBoard, new_router_id
 from tests.factories import LOAD as NS
 from tests.factories import LOAD_OTHER as OTHER
 from tests.procs import free_port

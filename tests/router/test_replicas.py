@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from starlette.requests import Request
 
-from router.auth import KeyCheck, load_keys
 from router.config import RouterSettings
-from router.health import parse_engine_metrics
-from router.replicas import EngineLoad, ReplicaSet
+from router.fleet.health import parse_engine_metrics
+from router.fleet.replicas import EngineLoad, ReplicaSet
+from router.http.auth import KeyCheck, load_keys
 from tracker.core.index import ReplicaRecord
 from tracker.core.replicas import ReplicaSpec
 from tracker.framework.errors import ConfigError

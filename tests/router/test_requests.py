@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router.decide.request import cached_tokens, parse
 from router.errors import BadRequestError
-from router.requests import cached_tokens, parse, upstream_body
-from router.sse import UsageFilter
+from router.http.body import upstream_body
+from router.http.sse import UsageFilter
 
 
 def _raw(body: object) -> bytes:

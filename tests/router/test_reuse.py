@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from router.proxy import REPLICA_HEADER
-from router.reuse import ReuseBook
+from router.decide.reuse import ReuseBook
+from router.http.proxy import REPLICA_HEADER
 from tests.clock import ManualClock
 from tests.router.harness import SYSTEM, base_url, chat, engines, router
 
@@ -74,7 +74,7 @@ async def test_a_routed_request_counts_its_whole_chain_where_it_was_sent() -> No
         router(replica=fleet.specs) as service,
         httpx.AsyncClient(base_url=base_url(service), timeout=20) as client,
     ):
-        book = service.router.placer.reuse
+        book = service.router.decider.reuse
         assert book is not None
         answer = await client.post("/v1/chat/completions", json=chat(SYSTEM, "first"))
         assert answer.status_code == 200

@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import redis.asyncio as redis
 
-from router.routefeed import RouteFeed
+from router.shared.routefeed import RouteFeed
 from tests.factories import SIM
 from tests.procs import free_port
+from tracker.core.index import Route
 from tracker.core.keys import NamespaceKeys
 from tracker.core.memory_index import MemoryIndex
 
@@ -47,7 +48,7 @@ async def test_routes_reach_the_other_routers_index_not_their_own(feeds: Factory
     a, b = feeds("a"), feeds("b")
     b.want(SIM)
     assert await b.refresh() == 0
-    a.publish(SIM, "r1", KEYS, ttl_s=3.0, anchors=[11], home_ttl_s=120.0)
+    a.publish(SIM, Route("r1", KEYS, 3.0, [11], 120.0))
     await _drain(a)
     assert a.stats.written == 1
     assert await b.refresh() == 1 and await b.refresh() == 0  # read once
@@ -63,10 +64,10 @@ async def test_a_route_counts_from_when_it_was_made(feeds: Factory) -> None:
     """Lifetimes run from the entry's time: an old prediction is not revived, its home
     claim keeps its age, and a claim made later is not overwritten by an earlier one."""
     a, b = feeds("a"), feeds("b")
-    a.publish(SIM, "r1", KEYS, ttl_s=0.2, anchors=[11], home_ttl_s=120.0)
+    a.publish(SIM, Route("r1", KEYS, 0.2, [11], 120.0))
     await _drain(a)
     await asyncio.sleep(0.3)
-    b.index.record_route(SIM, "r2", [], ttl_s=0.0, anchors=[11], home_ttl_s=120.0)  # b's own
+    b.index.record_route(SIM, Route("r2", anchors=[11], home_ttl_s=120.0))  # b's own
     b.want(SIM)
     assert await b.refresh() == 1
     survey = await b.index.survey(SIM, KEYS)
@@ -84,7 +85,7 @@ async def test_a_new_router_reads_the_live_homes_and_the_stream_is_capped(
 ) -> None:
     a = feeds("a")
     for i in range(3):
-        a.publish(SIM, f"r{i}", [100 + i], ttl_s=3.0, anchors=[100 + i], home_ttl_s=120.0)
+        a.publish(SIM, Route(f"r{i}", [100 + i], 3.0, [100 + i], 120.0))
     await _drain(a)
     late = feeds("late", since_s=60.0)
     late.want(SIM)
@@ -102,7 +103,7 @@ async def test_redis_down_drops_routes_and_never_raises(feeds: Factory) -> None:
     a = feeds("a", url=f"redis://127.0.0.1:{free_port()}/0")
     await a.start()
     a.want(SIM)
-    a.publish(SIM, "r1", KEYS, ttl_s=3.0, anchors=[11], home_ttl_s=120.0)
+    a.publish(SIM, Route("r1", KEYS, 3.0, [11], 120.0))
     await _drain(a)
     await asyncio.sleep(0.05)
     assert a.stats.write_errors == 1 and a.stats.written == 0
@@ -117,7 +118,7 @@ async def test_a_malformed_entry_is_skipped_and_the_rest_applied(
     await b.refresh()
     async with redis.Redis.from_url(redis_url) as client:
         await client.xadd(NamespaceKeys(SIM).routes, {"r": "old-router", "p": "r9", "k": "x"})
-    a.publish(SIM, "r1", KEYS, ttl_s=3.0, anchors=[11], home_ttl_s=120.0)
+    a.publish(SIM, Route("r1", KEYS, 3.0, [11], 120.0))
     await _drain(a)
     assert await b.refresh() == 1
     assert b.stats.malformed == 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.proxy import PREDICTED_HEADER
+from router.http.proxy import PREDICTED_HEADER
 from tests.procs import KVROUTER, free_port, free_ports
 from tests.router.harness import SYSTEM, Process, chat, wait_healthy
 

@@ -16,7 +16,7 @@ import asyncio
 import httpx
 import pytest
 
-from router.proxy import REPLICA_HEADER
+from router.http.proxy import REPLICA_HEADER
 from tests.router.harness import base_url, chat, engines, router
 
 pytestmark = pytest.mark.timeout(60)

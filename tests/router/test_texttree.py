@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.texttree import TextTree, shared_prefix
+from router.baselines.texttree import TextTree, shared_prefix
 
 
 @given(st.text(alphabet="ab", max_size=40), st.text(alphabet="ab", max_size=40))

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.segments import plan_segments
-from router.tokenize import PromptTokenizer
+from router.decide.segments import plan_segments
+from router.decide.tokenize import PromptTokenizer
 from tests.router.trained_tokenizers import CHATML, CORPUS, LLAMA, trained
 from tracker.core.tokens import Tokenizer
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from router.tokenize import PromptTokenizer
+from router.decide.tokenize import PromptTokenizer
 from tests.router.trained_tokenizers import CORPUS
 from tracker.core.tokens import Tokenizer
 from tracker.framework.errors import TokenizationError

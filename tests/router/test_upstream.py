@@ -14,7 +14,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from router.errors import UpstreamError, UpstreamTimeoutError
-from router.upstream import UpstreamClient, failure_kind, passthrough_headers
+from router.fleet.upstream import UpstreamClient, failure_kind, passthrough_headers
 from tests.procs import free_port
 from tracker.framework.http import HTTPServer, bind
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from router.config import RouterSettings
-from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.procs import free_port
 from tests.router.harness import (
     SYSTEM,

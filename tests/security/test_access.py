@@ -12,8 +12,8 @@ import pytest
 from starlette.requests import Request
 
 from publishers.config import ReplicaSettings
-from router.auth import KeyCheck
 from router.config import RouterSettings
+from router.http.auth import KeyCheck
 from tests.router.harness import base_url, chat, engines, router
 from tracker.ingest.config import LookupSettings, TrackerSettings
 
@@ -100,7 +100,7 @@ def test_every_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch)
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr("router.auth.hmac.compare_digest", spy)
+    monkeypatch.setattr("router.http.auth.hmac.compare_digest", spy)
     keys = frozenset({b"key-a", b"key-b", b"key-c"})
     check = KeyCheck(keys)
     for given, allowed in [("key-a", True), ("key-c", True), ("key-x", False), ("", False)]:

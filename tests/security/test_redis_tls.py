@@ -102,7 +102,7 @@ def tls_redis() -> Iterator[TLSRedis]:
 
 
 async def test_index_load_and_registry_over_tls_with_auth(tls_redis: TLSRedis) -> None:
-    from router.redis_load import RedisLoadBoard
+    from router.shared.redis_load import RedisLoadBoard
 
     index = RedisIndex.from_url(tls_redis.url())
     try:

@@ -8,7 +8,7 @@ from tests.factories import LLAMA
 from tests.tracker.contract import OTHER, SEQ, offload, put, remove, store
 from tracker.core.blocks import Namespace, block_keys
 from tracker.core.events import AllBlocksCleared
-from tracker.core.index import BlockIndex
+from tracker.core.index import BlockIndex, Route
 from tracker.core.keys import home_anchors
 
 # ------------------------------------------------------------------ predictions
@@ -126,7 +126,7 @@ async def test_a_route_predicts_the_chain_and_claims_its_anchors_at_once(
     """What a router writes after each request: both records, each with its own expiry."""
     keys = block_keys(SEQ, LLAMA)
     anchors = [keys[p] for p in home_anchors(len(keys))]
-    await index.route(LLAMA, "a", keys[1:], ttl_s=0.3, anchors=anchors, home_ttl_s=5)
+    await index.route(LLAMA, Route("a", keys[1:], 0.3, anchors, 5))
     await put(index, "a", store(SEQ, range(1)))  # the engine's word on the first block
     survey = await index.survey(LLAMA, keys)
     assert {r: (m.blocks, m.predicted_blocks) for r, m in survey.matches.items()} == {"a": (4, 3)}
@@ -136,8 +136,8 @@ async def test_a_route_predicts_the_chain_and_claims_its_anchors_at_once(
     assert {r: (m.blocks, m.predicted_blocks) for r, m in survey.matches.items()} == {"a": (1, 0)}
     assert {r: h.blocks for r, h in survey.homes.items()} == {"a": 4}
     # either part alone
-    await index.route(LLAMA, "b", [], ttl_s=5, anchors=anchors, home_ttl_s=5)
-    await index.route(LLAMA, "c", block_keys(OTHER, LLAMA), ttl_s=5, anchors=[], home_ttl_s=5)
+    await index.route(LLAMA, Route("b", [], 5, anchors, 5))
+    await index.route(LLAMA, Route("c", block_keys(OTHER, LLAMA), 5, [], 5))
     survey = await index.survey(LLAMA, keys)
     assert {r: h.blocks for r, h in survey.homes.items()} == {"b": 4}
     assert await predicted(index, OTHER) == {"c": (4, 4, 4)}

@@ -14,11 +14,12 @@ import pytest
 import redis
 
 from bench.stack.redis_servers import RedisClusterNodes, sync_redis
-from router.redis_load import RedisLoadBoard, new_router_id
+from router.shared.redis_load import RedisLoadBoard, new_router_id
 from tests.factories import LLAMA, batch
 from tests.tracker.redis_ops import SEQ, exercise, matches, remove, store
 from tracker.core import keys as schema
 from tracker.core.blocks import Namespace, block_keys
+from tracker.core.index import Route
 from tracker.core.redis_client import ClusterURL, parse_cluster_url
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.errors import ConfigError, IndexUnavailableError
@@ -222,7 +223,7 @@ async def test_a_live_partition_moved_to_another_master_under_load_loses_nothing
             except IndexUnavailableError:
                 refused["lookup"] += 1
             try:  # predictions for another replica, so that r1's own blocks are what is read
-                await index.route(LLAMA, "r2", keys, ttl_s=5, anchors=keys[:1], home_ttl_s=5)
+                await index.route(LLAMA, Route("r2", keys, 5, keys[:1], 5))
             except IndexUnavailableError:
                 refused["route"] += 1
         moved = await migration  # no BUSYKEY: nothing was written behind the migration

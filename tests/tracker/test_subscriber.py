@@ -74,7 +74,7 @@ async def test_lookahead_hashing_is_indexed_and_shown(
     assert {r: m.blocks for r, m in matches.items()} == {"r1": 2}
     assert await held(tracker.index, A_TOKENS) == {}  # keys without lookahead: nothing
     assert stream.status()["lookahead_tokens"] == 2
-    # the routers learn it from the index (router.placement)
+    # the routers learn it from the index (router.decide.placement)
     assert (await tracker.index.survey(SMALL, [])).lookahead == {"r1": 2}
 
 

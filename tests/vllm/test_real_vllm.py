@@ -23,7 +23,7 @@ import redis
 
 from bench.stack.config import StackConfig, VllmEngines
 from bench.stack.local import LocalStack
-from router.proxy import PREDICTED_HEADER, REPLICA_HEADER
+from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
 from tests.vllm.conftest import MODEL, VLLM
 
 pytestmark = pytest.mark.timeout(600)

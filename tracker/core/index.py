@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -24,7 +25,7 @@ RECORD_TTL_S: Final = 15.0
 
 LOAD_TTL_S: Final = 5.0
 """How long a router's shared load, and its presence, outlive their last write unless told
-otherwise (``kvrouter router --lease-ttl-s``, :mod:`router.redis_load`)."""
+otherwise (``kvrouter router --lease-ttl-s``, :mod:`router.shared.redis_load`)."""
 
 
 class Match(msgspec.Struct, frozen=True):
@@ -105,6 +106,26 @@ class Survey(msgspec.Struct, frozen=True):
     hash prompts the same way (:func:`tracker.core.blocks.block_keys`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What a router records of a request it routes to ``replica``.
+
+    :param keys: block keys the replica is predicted to hold within ``ttl_s``
+        (:meth:`BlockIndex.predict`).
+    :param anchors: the chain's keys at :func:`tracker.core.keys.home_anchors` positions, whose
+        home the replica is for ``home_ttl_s`` (:meth:`BlockIndex.claim`).
+    :param age_s: the route was made this long ago (another router's, read later): its
+        lifetimes count from then.
+    """
+
+    replica: str
+    keys: Sequence[int] = ()
+    ttl_s: float = 0.0
+    anchors: Sequence[int] = ()
+    home_ttl_s: float = 0.0
+    age_s: float = 0.0
+
+
 class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A registry entry: how to reach a replica and what it serves.
 
@@ -163,7 +184,7 @@ class BlockIndex(Protocol):
         """:meth:`lookup` and every replica's :class:`Residency`, in one round trip; with
         ``load_except`` (a router's id), the other routers' shared load too where the index
         holds it (:attr:`Survey.load`; None where it does not), and that router's presence,
-        kept ``load_ttl_s`` (:mod:`router.redis_load`)."""
+        kept ``load_ttl_s`` (:mod:`router.shared.redis_load`)."""
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
@@ -184,18 +205,17 @@ class BlockIndex(Protocol):
         ``ttl_s`` after the last request that renewed it.
         """
 
-    async def route(
-        self,
-        namespace: Namespace,
-        replica: str,
-        keys: Sequence[int],
-        *,
-        ttl_s: float,
-        anchors: Sequence[int],
-        home_ttl_s: float,
-    ) -> None:
-        """:meth:`predict` ``keys`` and :meth:`claim` ``anchors`` together (one round trip
-        where the backend is remote): what a router records of each request it routes."""
+    async def route(self, namespace: Namespace, route: Route) -> None:
+        """:meth:`predict` ``route.keys`` and :meth:`claim` ``route.anchors`` together (one
+        round trip where the backend is remote): what a router records of each request."""
+
+    def route_now(self, namespace: Namespace, route: Route) -> bool:
+        """Record ``route`` without a turn of the event loop where the index is in this
+        process (the next decision reads it); False where it is not: :meth:`route` it."""
+
+    def survey_now(self, namespace: Namespace, keys: Sequence[int]) -> Survey | None:
+        """:meth:`survey` without suspending where the index is in this process (nothing
+        to wait for, nothing that fails); None where it must be asked."""
 
     async def set_lookahead(self, replica: str, namespace: Namespace, tokens: int) -> None:
         """Record how many tokens after each block ``replica``'s engine folds into its hash

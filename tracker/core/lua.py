@@ -1,7 +1,7 @@
 """Every server-side Redis script of kvrouter, and the Lua snippets they share.
 
 Sections: the shared snippets (bucket names, entry layout, clocks, the load snapshot), the
-index's scripts, the routers' (:mod:`router.redis_load` too) and the tracker election's. Key
+index's scripts, the routers' (:mod:`router.shared.redis_load` too) and the tracker election's. Key
 names and the layout constants interpolated here come from :mod:`tracker.core.keys`; every
 key a call touches shares the hash tag of the keys it declares (one Redis Cluster slot).
 """
@@ -473,7 +473,7 @@ return out
 
 # ----------------------------------------------------------- the routers
 
-# The shared router load (tracker.core.keys: ``load``), for router.redis_load: PUT writes one
+# The shared router load (tracker.core.keys: ``load``), for router.shared.redis_load: PUT writes one
 # router's totals, load_snapshot sums the others' live entries, pruning expired ones.
 # KEYS: [load hash]; ARGV: [router id, ttl ms, then (replica, inflight, tokens, age ms)
 # quadruples]; age: how long ago the router sent its oldest request there that is still

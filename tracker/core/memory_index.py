@@ -22,6 +22,7 @@ from tracker.core.index import (
     Match,
     ReplicaRecord,
     Residency,
+    Route,
     Survey,
 )
 from tracker.core.keys import TIER_BITS, home_anchors
@@ -221,8 +222,9 @@ class MemoryIndex:
     ) -> Survey:
         return self._survey(namespace, keys, await self.lookup(namespace, keys))
 
-    def survey_now(self, namespace: Namespace, keys: Sequence[int]) -> Survey:
-        """:meth:`survey` without suspending (a router in the same process)."""
+    def survey_now(self, namespace: Namespace, keys: Sequence[int]) -> Survey | None:
+        if not self.synchronous:
+            return None
         return self._survey(namespace, keys, self.lookup_now(namespace, keys))
 
     def _survey(
@@ -259,43 +261,28 @@ class MemoryIndex:
     async def claim(
         self, namespace: Namespace, replica: str, anchors: Sequence[int], ttl_s: float
     ) -> None:
-        self.record_route(namespace, replica, (), ttl_s=0.0, anchors=anchors, home_ttl_s=ttl_s)
+        self.record_route(namespace, Route(replica, anchors=anchors, home_ttl_s=ttl_s))
 
-    async def route(
-        self,
-        namespace: Namespace,
-        replica: str,
-        keys: Sequence[int],
-        *,
-        ttl_s: float,
-        anchors: Sequence[int],
-        home_ttl_s: float,
-    ) -> None:
-        self.record_route(
-            namespace, replica, keys, ttl_s=ttl_s, anchors=anchors, home_ttl_s=home_ttl_s
-        )
+    async def route(self, namespace: Namespace, route: Route) -> None:
+        self.record_route(namespace, route)
+
+    def route_now(self, namespace: Namespace, route: Route) -> bool:
+        if not self.synchronous:
+            return False
+        self.record_route(namespace, route)
+        return True
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
     ) -> None:
-        self.record_route(namespace, replica, keys, ttl_s=ttl_s, anchors=(), home_ttl_s=0.0)
+        self.record_route(namespace, Route(replica, keys, ttl_s))
 
-    def record_route(
-        self,
-        namespace: Namespace,
-        replica: str,
-        keys: Sequence[int],
-        *,
-        ttl_s: float,
-        anchors: Sequence[int],
-        home_ttl_s: float,
-        age_s: float = 0.0,
-    ) -> None:
+    def record_route(self, namespace: Namespace, route: Route) -> None:
         """:meth:`route` at once, without a turn of the event loop: a router in the same
-        process records a request before the next decision can read the index.
-
-        :param age_s: the route was made this long ago (another router's, read later): its
-            lifetimes count from then, and a home claimed since is kept."""
+        process records a request before the next decision can read the index. A route made
+        ``route.age_s`` ago (another router's) keeps a home claimed since."""
+        replica, keys, ttl_s = route.replica, route.keys, route.ttl_s
+        anchors, home_ttl_s, age_s = route.anchors, route.home_ttl_s, route.age_s
         now = time.monotonic()
         since = now - age_s
         table = self._predictions.setdefault(namespace.base(), {})

@@ -29,6 +29,7 @@ from tracker.core.index import (
     Match,
     ReplicaRecord,
     Residency,
+    Route,
     Survey,
 )
 from tracker.core.redis_client import RedisConnection, open_redis, redis_call
@@ -207,23 +208,20 @@ class RedisIndex:
             self._touched_by_routing(nk, (), anchors),
         )
 
-    async def route(
-        self,
-        namespace: Namespace,
-        replica: str,
-        keys: Sequence[int],
-        *,
-        ttl_s: float,
-        anchors: Sequence[int],
-        home_ttl_s: float,
-    ) -> None:
+    async def route(self, namespace: Namespace, route: Route) -> None:
+        replica, keys, anchors = route.replica, route.keys, route.anchors
         if not keys or not anchors:  # one of the two, or nothing, to write
-            await self.predict(namespace, replica, keys, ttl_s)
-            await self.claim(namespace, replica, anchors, home_ttl_s)
+            await self.predict(namespace, replica, keys, route.ttl_s)
+            await self.claim(namespace, replica, anchors, route.home_ttl_s)
             return
         nk = self.writer.keys_for(namespace)
         tag = nk.tag
-        args: list[bytes | int] = [_ms(ttl_s), _chain(keys), _ms(home_ttl_s), _chain(anchors)]
+        args: list[bytes | int] = [
+            _ms(route.ttl_s),
+            _chain(keys),
+            _ms(route.home_ttl_s),
+            _chain(anchors),
+        ]
         await self._as_replica(
             "route",
             namespace,
@@ -231,6 +229,12 @@ class RedisIndex:
             lambda rid, rname: self._route(keys=rname, args=[tag, rid, replica, *args]),
             self._touched_by_routing(nk, keys, anchors),
         )
+
+    def route_now(self, namespace: Namespace, route: Route) -> bool:
+        return False  # the index is in Redis: every write is a round trip
+
+    def survey_now(self, namespace: Namespace, keys: Sequence[int]) -> Survey | None:
+        return None  # the index is in Redis: every read is a round trip
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float

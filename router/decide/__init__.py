@@ -1,0 +1,1 @@
+"""The decision core: a parsed request in, a placement out; attempts committed and finished."""

@@ -1,0 +1,98 @@
+"""Routing policy: the lowest expected TTFT plus what the choice costs others; pure, no I/O.
+
+:func:`decide` scores every candidate (:func:`router.decide.scoring.score_replica`) and picks
+one. The score's formula, each term's reason and the defaults' sources are written once, in
+docs/architecture.md ("Score", "Policy defaults and where they come from").
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from typing import Final
+
+from router.decide.policy_types import Decision, PolicyConfig, ReplicaState, Score
+from router.decide.scoring import Fleet, active_requests, fleet_of, score_replica
+
+_LINEAR_TIE: Final = 1e-9
+
+
+def _busyness(state: ReplicaState, fleet: Fleet) -> tuple[int, int, float]:
+    """Which tied candidate comes first (least).
+
+    A prompt no router has sent before: the one serving the fewest prefix groups lately
+    (``prefixes``), then the fewest requests in flight now, then the least load over the
+    last seconds (``recent_inflight``). A prompt with a home: the fewest in flight now.
+    docs/architecture.md ("Score", ties) gives the measurements behind this order.
+    """
+    if fleet.home_tokens:
+        return 0, active_requests(state), 0.0
+    return state.prefixes, active_requests(state), round(state.recent_inflight, 3)
+
+
+def _near_order(score: Score) -> tuple[int, int]:
+    """Which of the candidates within ``tie_ratio`` of the best comes first (least): the
+    prompt's home (the least split claim), then the one holding most of the prompt."""
+    return round(score.split_tokens), -score.matched_tokens
+
+
+def decide(
+    prompt_tokens: int,
+    candidates: Sequence[ReplicaState],
+    config: PolicyConfig,
+    rng: random.Random,
+    output_tokens: int = 0,
+) -> Decision:
+    """Score every candidate and pick one.
+
+    ``mode="ttft"``: the best score. Candidates within ``tie_epsilon_ms`` of the best are an
+    exact tie and go to the deepest chain; within ``tie_ratio`` of it a near-tie, which goes
+    to the prompt's home, then to the deepest chain. What is still tied goes to the least
+    busy (:func:`_busyness`), then at random. ``temperature > 0`` instead samples with
+    probability ``exp((score - best) / temperature)`` (temperature in ms).
+
+    ``mode="linear"``: ``hit_weight * matched - load_weight * inflight`` with offloaded
+    blocks discounted by their tier's cost: unitless and tuned per fleet, kept for A/B
+    runs; exact ties go to the fewest requests in flight, then at random.
+
+    :raises ValueError: if there are no candidates.
+    """
+    if not candidates:
+        raise ValueError("no candidate replicas to choose from")
+    fleet = fleet_of(candidates, config)
+    scores = tuple(
+        score_replica(prompt_tokens, state, config, output_tokens, fleet) for state in candidates
+    )
+    values = [s.score for s in scores]
+    if config.temperature > 0:
+        index = _sample(values, config.temperature, rng)
+    else:
+        best = max(values)
+        epsilon = config.tie_epsilon_ms if config.mode == "ttft" else _LINEAR_TIE
+        tied = [i for i, v in enumerate(values) if v >= best - epsilon]
+        ratio = config.tie_ratio * -best if config.mode == "ttft" else 0.0
+        near = [i for i, v in enumerate(values) if v >= best - ratio]
+        if len(near) > len(tied):  # within the estimate's error: the home, the deepest chain
+            first = min(_near_order(scores[i]) for i in near)
+            tied = [i for i in near if _near_order(scores[i]) == first]
+        else:  # an exact tie: the deepest chain
+            deepest = max(scores[i].matched_tokens for i in tied)
+            tied = [i for i in tied if scores[i].matched_tokens == deepest]
+        if len(tied) > 1:  # the least busy; at random
+            fewest = min(_busyness(candidates[i], fleet) for i in tied)
+            tied = [i for i in tied if _busyness(candidates[i], fleet) == fewest]
+        index = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
+    return Decision(scores[index].replica, scores, config.mode)
+
+
+def _sample(values: Sequence[float], temperature: float, rng: random.Random) -> int:
+    """Index drawn with probability proportional to ``exp((value - max) / temperature)``."""
+    best = max(values)
+    weights = [math.exp((v - best) / temperature) for v in values]
+    point = rng.random() * sum(weights)
+    for i, weight in enumerate(weights):
+        point -= weight
+        if point < 0:
+            return i
+    return max(range(len(values)), key=values.__getitem__)

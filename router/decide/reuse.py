@@ -1,0 +1,142 @@
+"""Which of each replica's cached blocks routed requests keep using: what evicting them costs.
+
+The index counts every block a replica's cache holds (:class:`tracker.core.index.Residency`), and
+once an engine has run for a while its cache is always full: vLLM keeps a finished request's
+blocks until it needs the room. Most of them are worth nothing — a request's own question
+and answer are never asked for again — and they are the first to go (vLLM frees a request's
+blocks tail first, and every hit moves a prefix's blocks to the young end of its LRU queue).
+Counting them as cache that a new prefix would push out made every replica look full, priced
+every miss as an eviction, and kept prefix groups queued at a replica whose KV memory was
+taken while another one had room to spare (docs/architecture.md, "Score").
+
+:class:`ReuseBook` keeps, per replica, the chains this router sent there within the last
+``window_s`` seconds — the first block key of the prompt's chain and the deepest run of it a
+request left cached there, hit or miss (a new prefix's copy is worth keeping before its
+second request comes) — and sums their depths: the blocks an eviction would cost. Each
+router sees only its own requests, which is enough: behind an L4 balancer every router sees
+the same mix of prefixes. It is soft state, like the speed estimates. A router that has
+watched for less than a whole window cannot tell a cold cache from one it has not seen
+served, so it also counts the share of the replica's resident blocks (as the index says)
+that the unwatched rest of the window may hide — all of them at start-up, none once a window
+has passed — and answers the larger of the two: a restarted router does not take warm caches
+for empty ones, and one that has watched for most of a window trusts what it saw.
+(docs/architecture.md, "Score", has what the earlier rules cost.)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+_MAX_PREFIXES: Final = 8_192  # per replica (~1 MB); the oldest go first beyond this
+
+
+@dataclass(frozen=True, slots=True)
+class Booking:
+    """One :meth:`ReuseBook.record`: the entry it wrote, and the one it replaced."""
+
+    replica: str
+    root: int
+    written: tuple[int, float]
+    replaced: tuple[int, float] | None
+
+
+class _Replica:
+    __slots__ = ("blocks", "prefixes")
+
+    def __init__(self) -> None:
+        self.prefixes: OrderedDict[int, tuple[int, float]] = OrderedDict()  # root -> depth, at
+        self.blocks = 0
+
+
+class ReuseBook:
+    """Blocks per replica that routed requests left cached within ``window_s`` (module docstring).
+
+    :param window_s: a chain counts this long after a request was last sent there with it (> 0).
+    """
+
+    def __init__(self, window_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self.clock = clock
+        self._since = clock()
+        self._replicas: dict[str, _Replica] = {}
+
+    def record(self, replica: str, root: int, blocks: int) -> Booking | None:
+        """A request routed to ``replica`` left ``blocks`` blocks of the chain that starts
+        with block key ``root`` cached there (its deepest there since it last lapsed counts).
+
+        Returns what to hand :meth:`withdraw` if the request never reaches the replica.
+        """
+        if blocks <= 0:
+            return None
+        entry = self._replicas.get(replica)
+        if entry is None:
+            entry = self._replicas[replica] = _Replica()
+        old = entry.prefixes.pop(root, None)
+        if old is not None:
+            entry.blocks -= old[0]
+            blocks = max(blocks, old[0])
+        written = (blocks, self.clock())
+        entry.prefixes[root] = written
+        entry.blocks += blocks
+        if len(entry.prefixes) > _MAX_PREFIXES:
+            depth, _ = entry.prefixes.popitem(last=False)[1]
+            entry.blocks -= depth
+        return Booking(replica, root, written, old)
+
+    def withdraw(self, booking: Booking) -> None:
+        """Take back a :meth:`record` whose request never reached the replica: the chain's
+        entry there is what it was before, unless a request recorded it again since."""
+        entry = self._replicas.get(booking.replica)
+        if entry is None or entry.prefixes.get(booking.root) != booking.written:
+            return
+        entry.blocks -= booking.written[0]
+        del entry.prefixes[booking.root]
+        if booking.replaced is not None:
+            entry.prefixes[booking.root] = booking.replaced
+            entry.prefixes.move_to_end(booking.root, last=False)
+            entry.blocks += booking.replaced[0]
+
+    def valued(self, replica: str, resident: int | None) -> int | None:
+        """Blocks of ``replica``'s cache in use lately: those this router saw sent there, or,
+        before it has watched for a whole window, the share of the ``resident`` blocks the
+        rest of the window may hide if that is more (None when ``resident`` is unknown)."""
+        now = self.clock()
+        unseen = 1.0 - (now - self._since) / self.window_s
+        watched = self._watched(replica, now)
+        if unseen <= 0.0:
+            return watched
+        if resident is None:
+            return None
+        return max(watched, math.ceil(resident * unseen))
+
+    def prefixes(self, replica: str) -> int:
+        """How many chains (by their first block) were sent to ``replica`` within the window:
+        the prefix groups it serves, which its load will follow."""
+        self._watched(replica, self.clock())
+        entry = self._replicas.get(replica)
+        return len(entry.prefixes) if entry is not None else 0
+
+    def _watched(self, replica: str, now: float) -> int:
+        entry = self._replicas.get(replica)
+        if entry is None:
+            return 0
+        horizon = now - self.window_s
+        prefixes = entry.prefixes
+        while prefixes:
+            root, (depth, at) = next(iter(prefixes.items()))
+            if at >= horizon:
+                break
+            del prefixes[root]
+            entry.blocks -= depth
+        return entry.blocks
+
+    def forget(self, replica: str) -> None:
+        """A replica restarted or left: nothing of its old cache is worth anything."""
+        self._replicas.pop(replica, None)

@@ -1,0 +1,226 @@
+"""In-flight load per replica: leases, the load they add up to, and this process's board.
+
+A :class:`Lease` is one dispatched request: it counts one request in flight, and its uncached
+prompt tokens as queued prefill work until :meth:`Lease.first_token`; nothing after
+:meth:`Lease.release`. Boards add leases up per (index partition, replica): a
+:class:`LocalLoadBoard` keeps this process's own, :class:`router.shared.redis_load.RedisLoadBoard`
+shares them with every other router.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Protocol
+
+from tracker.core.blocks import Namespace
+
+_Key = tuple[Namespace, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A replica's load: requests in flight, and prefill tokens not yet past first token.
+
+    :param prefill_since: when the oldest request there that has not produced its first token
+        was sent (``time.monotonic()``), through this router or, in
+        :meth:`router.shared.redis_load.RedisLoadBoard.merge`, another; None: none is pending.
+        The engine has been working through the queue at least since then, so that much
+        of ``queued_prefill_tokens`` is already done (:mod:`router.decide.policy`, ``queue_ms``).
+    """
+
+    inflight: int = 0
+    queued_prefill_tokens: int = 0
+    prefill_since: float | None = field(default=None, compare=False)
+
+
+class Lease:
+    """One dispatched request's share of a replica's load; a context manager that releases."""
+
+    __slots__ = (
+        "_board",
+        "_prefilling",
+        "_released",
+        "namespace",
+        "prefill_tokens",
+        "replica",
+        "started",
+    )
+
+    def __init__(
+        self, board: LoadTotals, namespace: Namespace, replica: str, prefill_tokens: int
+    ) -> None:
+        self._board = board
+        self.namespace = namespace
+        self.replica = replica
+        self.prefill_tokens = prefill_tokens
+        self.started = time.monotonic()
+        self._prefilling = True
+        self._released = False
+
+    @property
+    def prefilling(self) -> bool:
+        """True until the first token (or the release)."""
+        return self._prefilling
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def first_token(self) -> None:
+        """The request's prefill is done: stop counting its tokens (idempotent)."""
+        if self._prefilling and not self._released:
+            self._prefilling = False
+            self._board._prefilled(self)
+            self._board._adjust(self.namespace, self.replica, 0, -self.prefill_tokens)
+
+    def release(self) -> None:
+        """The request finished, failed or was cancelled (idempotent)."""
+        if self._released:
+            return
+        tokens = self.prefill_tokens if self._prefilling else 0
+        if self._prefilling:
+            self._board._prefilled(self)
+        self._released = True
+        self._prefilling = False
+        self._board._adjust(self.namespace, self.replica, -1, -tokens)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+@dataclass(frozen=True, slots=True)
+class SurveyLoad:
+    """What the shared index's lookup is given to read a board's entries in its own round
+    trip: the reading router (its own entries are exact in its process) and how long its
+    presence is kept (:meth:`tracker.core.index.BlockIndex.survey`)."""
+
+    router_id: str
+    ttl_s: float
+
+
+class LoadBoard(Protocol):
+    """Where routers record what they dispatched and read what every router dispatched."""
+
+    def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
+        """Count a request just sent to ``replica`` with ``prefill_tokens`` uncached tokens."""
+
+    async def snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        """Every router's load per replica (replicas without load are absent)."""
+
+    def local_snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        """This router's own load per replica; never fails."""
+
+    def current(self, namespace: Namespace) -> dict[str, Load] | None:
+        """Every router's load without a round trip, where this board keeps it in the
+        process (its own load, or the last background read of the others'); None: read it
+        with :meth:`snapshot`."""
+
+    @property
+    def survey_load(self) -> SurveyLoad | None:
+        """Set when the board's entries live beside the shared index, whose lookup reads
+        them in the same round trip (then :meth:`merge` its answer); None otherwise."""
+
+    def merge(
+        self, namespace: Namespace, others: Mapping[str, tuple[int, int, int]]
+    ) -> dict[str, Load]:
+        """Every router's load: the others' entries as a lookup read them
+        (:attr:`tracker.core.index.Survey.load`) plus this router's own."""
+
+    async def start(self) -> None:
+        """Start background work."""
+
+    async def stop(self) -> None:
+        """Stop background work and withdraw this router's load."""
+
+
+class LoadTotals:
+    """This process's load per (partition, replica), kept exact by its leases."""
+
+    def __init__(self) -> None:
+        self._totals: dict[Namespace, dict[str, list[int]]] = {}
+        # per (partition, replica): the leases still prefilling, oldest first (an ordered set)
+        self._prefilling: dict[_Key, dict[Lease, None]] = {}
+
+    def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
+        """Count a request just sent to ``replica``; release the returned lease when done.
+
+        :param prefill_tokens: the request's uncached prompt tokens (its prefill work).
+        """
+        if prefill_tokens < 0:
+            raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
+        base = namespace.base()
+        self._adjust(base, replica, 1, prefill_tokens)
+        lease = Lease(self, base, replica, prefill_tokens)
+        self._prefilling.setdefault((base, replica), {})[lease] = None
+        return lease
+
+    def _prefilled(self, lease: Lease) -> None:
+        key = (lease.namespace, lease.replica)
+        pending = self._prefilling.get(key)
+        if pending is not None:
+            pending.pop(lease, None)
+            if not pending:
+                del self._prefilling[key]
+
+    def _since(self, namespace: Namespace, replica: str) -> float | None:
+        """When this router's oldest request still prefilling on ``replica`` was sent."""
+        pending = self._prefilling.get((namespace, replica))
+        return next(iter(pending)).started if pending else None
+
+    def _adjust(self, namespace: Namespace, replica: str, inflight: int, tokens: int) -> None:
+        per = self._totals.setdefault(namespace, {})
+        total = per.get(replica)
+        if total is None:
+            total = per[replica] = [0, 0]
+        total[0] += inflight
+        total[1] += tokens
+        if total[0] == 0 and total[1] == 0:
+            del per[replica]
+        self._changed(namespace, replica)
+
+    def _changed(self, namespace: Namespace, replica: str) -> None:
+        """Hook: the total of (namespace, replica) changed."""
+
+    def _total(self, key: _Key) -> tuple[int, int]:
+        total = self._totals.get(key[0], {}).get(key[1])
+        return (total[0], total[1]) if total is not None else (0, 0)
+
+    def local_snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        """This router's own load per replica; never fails."""
+        base = namespace.base()
+        per = self._totals.get(base, {})
+        return {replica: Load(n, q, self._since(base, replica)) for replica, (n, q) in per.items()}
+
+
+class LocalLoadBoard(LoadTotals):
+    """In-process load only: a single router, or the embedded mode."""
+
+    survey_load: SurveyLoad | None = None
+
+    async def snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        return self.local_snapshot(namespace)
+
+    def current(self, namespace: Namespace) -> dict[str, Load]:
+        return self.local_snapshot(namespace)
+
+    def merge(
+        self, namespace: Namespace, others: Mapping[str, tuple[int, int, int]]
+    ) -> dict[str, Load]:
+        return self.local_snapshot(namespace)  # no other router shares this board
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
