@@ -1,17 +1,10 @@
 """The router's Prometheus metrics, and the detector of a silent block-key mismatch.
 
-A router whose block keys differ from what the tracker derives from the engines' events (wrong
-block size, model name, chat template or tokenizer) predicts no cached tokens ever, while the
-engines report hits: routing silently degrades to load balancing. Every response's
-``usage.prompt_tokens_details.cached_tokens`` is compared with the router's prediction for
-the replica it chose; :class:`MismatchDetector` raises ``kvrouter_router_hash_mismatch`` and
-logs a warning when engines keep reporting hits the router predicted none of.
-
-Under ``--workers N`` (:mod:`router.workers`) every worker writes its metrics to files in
-``PROMETHEUS_MULTIPROC_DIR`` and :func:`exposition` answers for all of them: counters and
-histograms summed, each gauge as its ``multiprocess_mode`` says (in-flight requests summed
-over the live workers; a flag raised if any worker raised it; a replica healthy only if every
-worker has it in rotation).
+:class:`MismatchDetector` compares every response's engine-reported cached tokens with the
+router's prediction: a router whose block keys differ from the tracker's (wrong block size,
+model name, chat template or tokenizer) predicts no hits while engines report them, and
+``kvrouter_router_hash_mismatch`` says so. Under ``--workers N`` :func:`exposition` answers
+for every worker.
 """
 
 from __future__ import annotations

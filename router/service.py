@@ -1,15 +1,9 @@
-"""RouterService: build the index, load board and (embedded) tracker, serve, drain, shut down.
+"""RouterService: open the index and the Redis client, start the embedded tracker, serve, drain.
 
-With ``--redis`` the index, the replica registry and the load are shared through Redis with
-every other router and tracker. Without it the router is self-contained: an in-process
-:class:`~tracker.core.memory_index.MemoryIndex` fed by an in-process
-:mod:`tracker.ingest.embedded` tracker consuming the ``--replica`` event endpoints. With
-both and ``--local-index`` the index is the router's own, fed as without Redis, and the load
-and the routes are shared (:class:`~router.shared.redis_load.RedisLoadBoard`,
-:class:`~router.shared.routefeed.RouteFeed`; read in the background, so no request waits for Redis).
-Shutdown (SIGTERM/SIGINT): stop accepting, let in-flight requests and streams finish within
-``shutdown_timeout_s`` (uvicorn cancels the rest), then close everything; a second signal
-cuts the drain short.
+With ``--redis`` the index, the registry and the load are shared through Redis; without it, an
+in-process index fed by an embedded tracker; with ``--local-index``, the index is the
+router's own and the load and routes are shared. Shutdown: stop accepting, let requests in
+flight finish within ``shutdown_timeout_s``, close everything; a second signal cuts it short.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """``kvrouter router --workers N``: N router processes serving one listening socket.
 
-The supervisor binds the socket once and starts N worker processes (``spawn``: a fresh
-interpreter each, no state copied from the parent) that accept from it; the kernel hands each
-new connection to whichever worker accepts first. Every worker is a whole router with its own
-id: it shares the index, the registry and its load through Redis exactly as routers on
-separate hosts do, so N workers on one host are N routers behind the socket instead of behind
-an L4 balancer. The embedded index (no ``--redis``) lives in one process and cannot be shared:
-there, more than one worker is a configuration error.
-
-Metrics: the workers write them to files in one directory (prometheus_client's multiprocess
-mode, ``PROMETHEUS_MULTIPROC_DIR``), and ``/metrics`` on any worker answers for all of them:
-counters and histograms summed, gauges as :mod:`router.metrics` declares per gauge.
-
-Signals: SIGINT and SIGTERM reach the supervisor, which asks every worker to drain (SIGTERM;
-the workers ignore SIGINT, so a terminal's Ctrl-C, which reaches the whole process group,
-counts once); a second signal cuts their drain short. A worker that dies while the pool
-serves is logged and replaced; one that dies within ``_CRASH_WINDOW_S`` of its start, twice
-in a row, stops the pool with an error (it would only crash again).
+The supervisor binds the socket once and spawns N workers that accept from it; each is a whole
+router with its own id, sharing index, registry and load through Redis as routers on separate
+hosts do (the embedded index cannot be shared: there, more than one worker is an error).
+Metrics are merged across workers (prometheus_client's multiprocess mode). A worker that dies
+is replaced; one that dies twice in a row right after starting stops the pool.
 """
 
 from __future__ import annotations

@@ -217,3 +217,54 @@ def test_parts_import_only_towards_the_core() -> None:
     assert {module: bad for module, bad in offenders.items() if bad} == {}
     assert graph.keys() >= SERVICE_ENTRIES
     assert {part_of(module) for module in graph} == set(ALLOWED)
+
+
+# router/ follows the request: the front ends (http/) over the decision core (decide/), which
+# reads the shared state (shared/) and the replicas (fleet/). Inner folders never import an
+# outer one, and nothing but a front end serves HTTP: a second front end (an endpoint picker)
+# builds on the same core.
+ROUTER_LAYERS: Mapping[str, frozenset[str]] = {
+    "router.shared": frozenset(),
+    "router.fleet": frozenset({"router.shared"}),
+    "router.decide": frozenset({"router.shared", "router.fleet", "router.baselines"}),
+    "router.baselines": frozenset({"router.shared", "router.fleet", "router.decide"}),
+}
+ROUTER_FOLDERS = frozenset({*ROUTER_LAYERS, "router.http"})
+ROUTER_COMMON = frozenset({"router.config", "router.errors", "router.metrics"})
+SERVING = frozenset({"starlette", "uvicorn", "anyio"})
+
+
+def router_folder(module: str) -> str | None:
+    """``router.decide.policy`` -> ``router.decide``; None outside router/'s folders."""
+    folder = ".".join(module.split(".")[:2])
+    return folder if folder in ROUTER_FOLDERS else None
+
+
+def test_router_folders_import_towards_the_shared_state_only() -> None:
+    graph = import_graph(ROOT)
+    offenders = {
+        module: sorted(
+            target
+            for target in targets
+            if target.startswith("router.")
+            and (folder := router_folder(target)) != router_folder(module)
+            and (folder is None or folder not in ROUTER_LAYERS[router_folder(module) or ""])
+            and target not in ROUTER_COMMON
+        )
+        for module, targets in graph.items()
+        if router_folder(module) in ROUTER_LAYERS
+    }
+    assert {module: bad for module, bad in offenders.items() if bad} == {}
+
+
+def test_only_the_http_front_end_serves_http() -> None:
+    inner = [
+        path for layer in ROUTER_LAYERS for path in (ROOT / layer.replace(".", "/")).rglob("*.py")
+    ]
+    assert len(inner) > 20
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imported_packages(path) & SERVING)
+        for path in inner
+        if imported_packages(path) & SERVING
+    }
+    assert offenders == {}

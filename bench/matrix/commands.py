@@ -57,7 +57,9 @@ class MatrixSettings(LogSettings):
     force: bool = setting(False, "run cells again even if their result file exists")
     time_scale: float = setting(3.0, "engine time scale of cells that do not set their own")
     report: bool = setting(False, "only render the tables from existing results")
-    readme: str | None = setting(None, "also rewrite this README's matrix section")
+    results: str | None = setting(
+        None, "also rewrite the matrix section (between its markers) of this Markdown file"
+    )
     doc: str | None = setting(None, "also write every cell's full table to this Markdown file")
     plots: str | None = setting(None, "also write one PNG per axis into this directory")
 
@@ -183,9 +185,9 @@ def run(settings: MatrixSettings) -> int:
     verdicts = load_verdicts(settings)
     text = report(verdicts)
     print(text)
-    if settings.readme:
-        readme = Path(settings.readme)
-        readme.write_text(replace_section(readme.read_text(), text))
+    if settings.results:
+        results = Path(settings.results)
+        results.write_text(replace_section(results.read_text(), text))
     if settings.doc:
         Path(settings.doc).write_text(
             "# Scenario matrix: every cell's full table\n\n"

@@ -15,8 +15,8 @@ from bench.report import markdown as policy_table
 from publishers.config import EngineShape
 from tracker.framework.errors import ConfigError
 
-README_BEGIN: Final = "<!-- bench:matrix:begin -->"
-README_END: Final = "<!-- bench:matrix:end -->"
+SECTION_BEGIN: Final = "<!-- bench:matrix:begin -->"
+SECTION_END: Final = "<!-- bench:matrix:end -->"
 
 
 def _ms(value: float) -> str:
@@ -143,7 +143,7 @@ def per_seed(v: Verdict) -> str:
 
 def replace_section(text: str, body: str) -> str:
     """``text`` with the part between the matrix markers replaced by ``body``."""
-    start, end = text.find(README_BEGIN), text.find(README_END)
+    start, end = text.find(SECTION_BEGIN), text.find(SECTION_END)
     if start < 0 or end < start:
-        raise ConfigError(f"no {README_BEGIN} ... {README_END} section to rewrite")
-    return text[: start + len(README_BEGIN)] + "\n" + body + text[end:]
+        raise ConfigError(f"no {SECTION_BEGIN} ... {SECTION_END} section to rewrite")
+    return text[: start + len(SECTION_BEGIN)] + "\n" + body + text[end:]

@@ -1,15 +1,10 @@
 """Routing policies by name: what ``kvrouter router --policy NAME`` runs.
 
-``ttft`` (the default) and ``linear`` are kvrouter's own policy, two modes of one score
-(:mod:`router.decide.policy`): the placer scores every candidate from the block index, the load
-board and the engines' gauges (:class:`router.decide.placement.Placer`). Every other name is a
-baseline that exists for the benchmark (``kvrouter bench``, ``docs/benchmarks.md``): it runs
-inside the real router, so it pays the same proxy path as kvrouter's policy, and reads no
-block index (:class:`~router.baselines.baseline.Baseline`).
-
-:data:`REGISTRY` names the class behind each baseline by import string, as uvicorn names its
-implementations: the settings (:mod:`router.config`) list the policies without importing the
-baselines, and a router imports only the one it runs.
+``ttft`` (the default) and ``linear`` are kvrouter's own score (:mod:`router.decide.policy`).
+Every other name is a baseline for the benchmark: it runs inside the real router, in place of
+the score, and reads no block index (:class:`~router.baselines.baseline.Baseline`).
+:data:`REGISTRY` names each baseline's class by import string, so a router imports only the
+one it runs.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ if TYPE_CHECKING:
     from router.baselines.baseline import Baseline, BaselineSettings, Tools
 
 REGISTRY: Final[Mapping[str, str | None]] = {
-    "ttft": None,  # kvrouter: router.decide.policy.decide, in the placer
+    "ttft": None,  # kvrouter: router.decide.policy.decide, in the decider
     "linear": None,  # kvrouter's score in its linear mode
     "round-robin": "router.baselines.balance:RoundRobin",
     "least-load": "router.baselines.balance:LeastLoad",

@@ -1,18 +1,9 @@
 """The benchmark's upper bound, not deployable: ``oracle``.
 
-It needs the simulated engine's probe: ``POST /kvrouter/probe`` with the prompt's token ids
-(and cache salt) answers the engine's own TTFT prediction from its real prefix cache and
-queue at that moment (:mod:`publishers.sim.probe`; no real engine can answer this cheaply, and
-vLLM has no such endpoint). The oracle tokenizes the prompt, probes every candidate at once,
-and picks the lowest ``expected_ttft_ms`` (ties within ``tie_epsilon_ms`` at random).
-
-Without the probe it degrades to least-load, with nothing in the decision to say so: a
-candidate whose probe fails (no answer within 10 s, a broken connection: logged as a
-warning) or answers anything but a 200 with ``expected_ttft_ms`` (vLLM's 404: not logged) is
-left out; when none answers, or the prompt cannot be tokenized, the candidate with the fewest
-of this router's own requests in flight wins, ties at random. Against real engines the
-oracle is therefore this router's least-load with a probe round trip added to every
-decision.
+It probes every candidate's simulated engine (``POST /kvrouter/probe``, :mod:`publishers.sim.probe`)
+for its own TTFT prediction from its real cache and queue, and picks the lowest. A candidate
+whose probe fails is left out; with none answering (a real vLLM has no probe) it is this
+router's least-load, with a probe round trip added to every decision.
 """
 
 from __future__ import annotations

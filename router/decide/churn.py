@@ -1,18 +1,9 @@
 """How fast each replica's prefix cache turns over, from the index's count of stored blocks.
 
-The tracker counts, per replica, the GPU blocks its ``BlockStored`` events ever added
-(:class:`tracker.core.index.Residency`); every lookup returns the counts of every replica. The
-rate at which that count grows is the cache's churn: once the cache is full, each stored
-block pushes the least recently used one out. Churn is what the events know and a router
-cannot: it includes traffic from other routers and from clients that bypass every router.
-
-:class:`ChurnBook` turns the counts seen at lookups into a rate per replica (blocks per
-second, smoothed exponentially over ``half_life_s``) and compares replicas: ``relative``
-is a replica's rate over the mean of the candidates', 1 when they are alike or nothing is
-known yet. A rate is known once the counts span ``settle_s`` (one half-life by default):
-before that it is one or two samples of a bursty count, and a router that had just started
-weighed the recompute at a group's home up to twice as much as a copy elsewhere because
-the home had stored that group's prefix a second ago (tests/test_topology.py).
+:class:`ChurnBook` turns the stored-block counts every lookup returns into a rate per replica
+(smoothed over a half-life, known once its counts span ``settle_s``) and compares replicas:
+:meth:`ChurnBook.relative` is a replica's rate over the candidates' mean. Churn comes from the
+engines' events, so it includes every router's and every outside client's traffic.
 """
 
 from __future__ import annotations

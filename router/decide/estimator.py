@@ -1,33 +1,8 @@
 """Online estimates of prefill speed, learned from the TTFTs the router sees.
 
-The router keeps one estimate per *model*, pooled over its replicas (:class:`SpeedBook` is
-keyed by whatever its caller chooses). Per-replica estimates biased routing: a replica that
-mostly served cache hits saw too few long prefills to identify its slope, learned a smaller
-one, looked cheapest for every cold prompt and was sent every new prefix (docs/architecture.md,
-"Score").
-
-Model: ``ttft_ms = floor_ms + prefill_ms_per_token * tokens_ahead`` where ``tokens_ahead``
-is the prefill work in front of the request's first token when it was dispatched (tokens
-already queued on the replica plus the request's own uncached tokens; see
-:attr:`router.decide.policy_types.Score.work_tokens`). :class:`SpeedModel` fits it by exponentially
-weighted least squares (weighted means and co-moments updated with West's stable recurrence,
-so no sums of squares of large numbers are ever subtracted), with
-
-* the seed as a Gaussian prior (sd ``seed_floor_sd_ms`` on the floor, ``seed_slope_sd``
-  times the seed's slope on the slope), weighed against the data by the observed residual
-  noise: with no data the estimate *is* the seed; the slope follows the data only as far
-  as the spread of ``tokens_ahead`` makes it identifiable against the noise (a replica that
-  only ever sees 500-token prompts learns its level and keeps the seed's slope); with
-  plenty of spread or little noise the prior's pull vanishes;
-* Huber-style clamping: a residual beyond ``outlier_k`` mean absolute residuals is clipped
-  before it enters the fit (a TTFT that includes a stall counts as a large, not a huge,
-  error), and non-finite or negative inputs are ignored;
-* hard bounds on both parameters, so no sequence of observations can produce a nonsensical
-  speed;
-* evidence that fades with time as well (``idle_half_life_s``, given the clock): the router
-  stops sending to a replica it believes slow, so without fading a few slow TTFTs (a cold
-  start, a hiccup) would keep a healthy replica out of routing for good; faded, its estimate
-  drifts back to the seed, it gets requests again and is measured anew.
+``ttft_ms = floor_ms + prefill_ms_per_token * tokens_ahead``, fitted by :class:`SpeedModel`
+with the seed as a prior; :class:`SpeedBook` keeps one per model, pooled over its replicas
+(per-replica fits biased routing: docs/architecture.md, "Score").
 """
 
 from __future__ import annotations
@@ -46,7 +21,26 @@ _FADE_STEP_S: Final = 0.5  # refit for fading at most this often
 
 
 class SpeedModel:
-    """One replica's speed estimate, updated one observed TTFT at a time."""
+    """One speed estimate, updated one observed TTFT at a time.
+
+    ``tokens_ahead`` is the prefill work in front of the request's first token when it was
+    dispatched (:attr:`router.decide.policy_types.Score.work_tokens`). The fit is exponentially
+    weighted least squares (weighted means and co-moments updated with West's stable
+    recurrence), with:
+
+    * the seed as a Gaussian prior (sd ``seed_floor_sd_ms`` on the floor, ``seed_slope_sd``
+      times the seed's slope on the slope), weighed against the data by the observed
+      residual noise: with no data the estimate is the seed; the slope follows the data only
+      as far as the spread of ``tokens_ahead`` makes it identifiable (a replica that only sees
+      500-token prompts learns its level and keeps the seed's slope);
+    * Huber-style clamping: a residual beyond ``outlier_k`` mean absolute residuals is clipped
+      (a TTFT that includes a stall counts as a large, not a huge, error); non-finite or
+      negative inputs are ignored;
+    * hard bounds on both parameters;
+    * evidence that fades with time (``idle_half_life_s``): a replica believed slow gets no
+      requests, so without fading a few slow TTFTs would keep it out for good; faded, its
+      estimate drifts back to the seed and it is measured anew.
+    """
 
     __slots__ = (
         "_at",

@@ -1,21 +1,8 @@
 """How many requests each replica has been running lately: the load a copy there will meet.
 
-A prompt sent away from its cache is prefilled in full, and every request on that engine
-waits for that compute (``compute`` in :mod:`router.decide.policy`). Counting only the requests in
-flight at the moment of the decision makes an engine whose requests have just finished look
-free: under pressure the next request of a group busy at home went there, copied its prefix
-(evicting another group's), and the groups split over more engines (2.5 per group, 71.6 %
-engine hits in the 700-block matrix cell, against 2.3 and 76.8 % priced as below). Where
-that engine's cache is full of prefixes its groups reuse it does not stay idle — its groups
-keep arriving — so the policy prices the compute at the larger of the requests in flight
-now and the mean over the last seconds, scaled by the part of the copy that evicts them.
-The mean also breaks ties: with sequential traffic nothing is in flight at any decision,
-and the replica that served last is the busier.
-
-:class:`OccupancyBook` keeps that mean per replica: the routers' requests in flight at each
-decision (the shared load board, so every router sees the others' too) and the count with
-each request this router routes, weighed by how long each count held, decaying with
-``half_life_s``. It is soft state: a restarted router starts from the counts it sees.
+:class:`OccupancyBook` keeps a time-weighted mean of each replica's requests in flight, from the
+counts seen at each decision and each committed request; the policy prices a miss's compute at
+the larger of the count now and this mean (docs/architecture.md, "Score", compute).
 """
 
 from __future__ import annotations
@@ -62,6 +49,11 @@ class OccupancyBook:
         entry.mean = keep * entry.mean + (1.0 - keep) * entry.count
         entry.at, entry.count = now, count
         return entry.mean
+
+    def count(self, replica: str) -> int | None:
+        """The replica's requests in flight as last observed (None: never observed)."""
+        entry = self._means.get(replica)
+        return None if entry is None else entry.count
 
     def forget(self, replica: str) -> None:
         """The replica left the fleet."""

@@ -3,7 +3,7 @@ prefill speed, each candidate's score and the decision.
 
 The policy itself (:func:`router.decide.policy.decide`) and its arithmetic
 (:mod:`router.decide.scoring`)
-work on these; the placer builds the states, the proxy and the journal read the scores.
+work on these; the decider builds the states, the proxy and the journal read the scores.
 """
 
 from __future__ import annotations

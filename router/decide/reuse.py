@@ -1,26 +1,10 @@
 """Which of each replica's cached blocks routed requests keep using: what evicting them costs.
 
-The index counts every block a replica's cache holds (:class:`tracker.core.index.Residency`), and
-once an engine has run for a while its cache is always full: vLLM keeps a finished request's
-blocks until it needs the room. Most of them are worth nothing — a request's own question
-and answer are never asked for again — and they are the first to go (vLLM frees a request's
-blocks tail first, and every hit moves a prefix's blocks to the young end of its LRU queue).
-Counting them as cache that a new prefix would push out made every replica look full, priced
-every miss as an eviction, and kept prefix groups queued at a replica whose KV memory was
-taken while another one had room to spare (docs/architecture.md, "Score").
-
-:class:`ReuseBook` keeps, per replica, the chains this router sent there within the last
-``window_s`` seconds — the first block key of the prompt's chain and the deepest run of it a
-request left cached there, hit or miss (a new prefix's copy is worth keeping before its
-second request comes) — and sums their depths: the blocks an eviction would cost. Each
-router sees only its own requests, which is enough: behind an L4 balancer every router sees
-the same mix of prefixes. It is soft state, like the speed estimates. A router that has
-watched for less than a whole window cannot tell a cold cache from one it has not seen
-served, so it also counts the share of the replica's resident blocks (as the index says)
-that the unwatched rest of the window may hide — all of them at start-up, none once a window
-has passed — and answers the larger of the two: a restarted router does not take warm caches
-for empty ones, and one that has watched for most of a window trusts what it saw.
-(docs/architecture.md, "Score", has what the earlier rules cost.)
+:class:`ReuseBook` keeps, per replica, the chains this router sent there within a window (the
+first block key and the deepest run a request left cached) and sums their depths: the blocks
+an eviction would cost, where the index's residency also counts finished requests' own blocks,
+which are free to evict. Soft state, per router. docs/architecture.md ("Score", evict) gives
+the rule and what the earlier ones cost.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Prompt token ids for routing: tokenization off the event loop, with a cache of segments.
 
-A tokenizer encodes the pieces of its input between added tokens independently
-(:mod:`router.decide.segments`), so a rendered chat prompt is a sequence of pieces: one per
-message part between the template's special tokens. :class:`PromptTokenizer` renders the
-template (cheap), splits the text exactly as the tokenizer does, looks every piece up in a
-bounded LRU keyed by its xxh3-128 hash, encodes only the misses (one ``encode_batch`` call
-in a worker thread, which releases the GIL; concurrent requests needing the same piece share
-that call), and assembles. A repeated system prompt or conversation history costs a hash
-and a lookup instead of ~1 us per token. Pieces are cached as tuples of shared int objects
-(8 bytes per token; the garbage collector stops tracking them), so assembling a prompt's ids
-copies pointers instead of creating an int object per token. Where the split is not
-provably exact the whole text is encoded as one piece, still cached by its hash.
-``tests/router/test_tokenize.py`` proves equality with ``Tokenizer.chat_token_ids`` /
-``prompt_token_ids`` by property tests. :class:`TokenizerBook` holds each model's
-:class:`PromptTokenizer`, loaded from the router's settings.
+:class:`PromptTokenizer` renders the chat template, splits the text where the tokenizer itself
+splits it (:mod:`router.decide.segments`), looks each piece up in a bounded LRU by its hash,
+encodes only the misses (in a worker thread, or inline when short) and assembles the ids;
+where the split is not provably exact the whole text is one piece. :class:`TokenizerBook`
+holds each model's tokenizer and answers a request's token ids. docs/architecture.md
+("Router", tokenize) has the costs.
 """
 
 from __future__ import annotations

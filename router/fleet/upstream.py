@@ -1,14 +1,9 @@
 """Calls to replicas over aiohttp: open a request, read its body under timeouts, probe.
 
-The router bounds "until the answer starts" and "between two chunks" itself (a non-streamed
-completion sends its headers only when the whole answer is ready, so no socket read timeout
-fits both). Every transport failure becomes an :class:`~router.errors.UpstreamError` (or
-:class:`~router.errors.UpstreamTimeoutError`) whose ``__cause__`` keeps aiohttp's error;
-:func:`failure_kind` tells the proxy whether a retry elsewhere is safe.
-
-aiohttp, not httpx: on this project's proxy benchmark a request through httpx cost the router
-~6-8 ms of CPU (httpcore's pool scans every connection, through anyio's socket attributes,
-each time a request starts or ends), through aiohttp ~0.45 ms (docs/benchmarks.md).
+The router bounds "until the answer starts" and "between two chunks" itself. Every transport
+failure becomes an :class:`~router.errors.UpstreamError` whose ``__cause__`` keeps aiohttp's
+error; :func:`failure_kind` tells a front end whether a retry elsewhere is safe. (aiohttp, not
+httpx: docs/architecture.md, "Router", dispatch.)
 """
 
 from __future__ import annotations

@@ -1,40 +1,11 @@
 """The load board every router shares through expiring Redis entries.
 
-:class:`RedisLoadBoard` shares the totals: each router writes *its own* absolute totals into
-the partition's ``load`` hash (:attr:`tracker.core.keys.NamespaceKeys.load`), field
-``<replica> NUL <router id>``, value ``struct.pack('<dddd', inflight, tokens, expiry_ms,
-since_ms)`` with the expiry, and the send time of the router's oldest request there still
-prefilling, computed from Redis ``TIME`` inside the script, so router clocks never matter. A
-reader takes off what the engine has done of the others' queued tokens since then as it does
-for its own (:class:`Load`): counted in full until the first token's push arrived, a request
-sent through a second router right after one through the first saw the first's prefill still
-ahead of it and copied the prefix to an idle engine instead (tests/router/test_multi_router.py,
-3 of 4 runs). A change is pushed by a single coalescing background task (the request path never
-waits for Redis) ``push_delay_s`` after it happens (:data:`PUSH_DELAY_S`), with whatever else
-changed meanwhile: pushed at once, the write's client work ran between a request's decision
-and its upstream send, and between its first chunk and the relay (a lone request through
-the router took 0.5 ms longer, `python -m bench.overhead`); and under load one write carries
-many requests' changes. A renew loop rewrites every non-zero total each ``renew_interval_s``.
-A snapshot is one script call that sums the other routers' unexpired entries (pruning expired
-ones) and adds this router's exact local totals; it also records the reader's presence
-(field ``NUL <router id>``, zero totals, expiring like its entries). A router whose reads of
-a partition have found no other router there, neither load nor presence, for
-``lease_ttl_s`` since its first read of it is alone: its changes there wait for the renew
-loop (within a second) instead of being pushed, which saves two or three writes per request
-where one router serves. Another router's first read writes its presence; the lone router's
-next read sees it and pushes what waited at once; until then the newcomer sees the lone
-router's load as of its last renewal. (Alone after a single empty read, or a lease after it
-started, a router that began routing beside another hid its first requests from it: two
-routers behind haproxy then split groups under eviction pressure in 5 of 6 runs of
-tests/test_topology.py on a loaded host, against 1 of 6.) A router that
-dies leaks nothing: its entries expire ``lease_ttl_s`` after its last renewal;
-:meth:`RedisLoadBoard.stop` deletes them at once.
-
-A router whose index is in its own process (``--local-index``) has no lookup to carry the
-load read, and a round trip in every request's path is what its index saves: its board reads
-each partition it routes in every ``view_refresh_s`` in the background, and a request takes
-the last read (:meth:`RedisLoadBoard.view`): the other routers' requests are seen a push
-delay plus at most one refresh late.
+Each router writes its own totals per replica (requests in flight, queued prefill tokens, when
+its oldest request there still prefilling was sent) into the partition's ``load`` hash, pushed
+in the background a moment after they change and renewed every second; readers sum the
+others' unexpired entries with their own exact totals. A router alone in a partition writes
+only with the renewal; a router with its own index reads the others' load in the background
+(:meth:`RedisLoadBoard.view`). The layout and the reasons: docs/architecture.md ("Shared load").
 """
 
 from __future__ import annotations

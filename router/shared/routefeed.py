@@ -1,21 +1,10 @@
 """Routes shared by routers that keep their own index (``--local-index``).
 
-With the shared index every router writes each request's predicted blocks and home claim
-into Redis and reads everyone's with its lookup. A router whose index is in its process
-(:class:`~tracker.core.memory_index.MemoryIndex`) would otherwise learn another router's placement
-only from the engine's events, a prefill later: two requests of a new prefix group sent
-through two routers within that time each pick an engine, and the group splits (with four
-routers behind haproxy under KV pressure: 64 % hits against the shared index's 73 %).
-
-:class:`RouteFeed` shares them off the request path. Each route the router records in its
-own index is appended to the partition's stream (:attr:`tracker.core.keys.NamespaceKeys.routes`,
-``XADD MAXLEN ~`` :data:`~tracker.core.keys.MAX_ROUTES`) by one background task, ``push_delay_s``
-after it happened, with whatever else was routed meanwhile (one pipelined write). Every
-``refresh_s`` the feed reads the entries other routers appended since its last read of each
-partition it routes in, and records them in the index as they were made (their age taken
-from the entry's id, Redis time). A partition first read starts ``since_s`` back (the homes
-still live), so a restarted router recovers them. Routes are hints: a failed write is
-dropped and counted, a failed read retried at the next refresh; neither blocks a request.
+:class:`RouteFeed` appends each route this router records (predicted blocks, home anchors) to
+the partition's Redis stream in the background, and every refresh applies the other routers'
+entries to its own index, their lifetimes counted from the entry's id (Redis time). Routes are
+hints: a failed write is dropped and counted, a failed read retried at the next refresh.
+docs/architecture.md ("Index", the router modes) says why.
 """
 
 from __future__ import annotations

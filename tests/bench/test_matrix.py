@@ -12,8 +12,8 @@ from bench.commands import BenchSettings, plan
 from bench.matrix.cells import AXES, Cell, cells
 from bench.matrix.commands import MatrixSettings, load_verdicts, result_path
 from bench.matrix.report import (
-    README_BEGIN,
-    README_END,
+    SECTION_BEGIN,
+    SECTION_END,
     axis_table,
     full_tables,
     replace_section,
@@ -137,8 +137,8 @@ def test_report_tables_and_the_readme_section(tmp_path: Path) -> None:
     assert "+10.0 pts" in table and "2.22x" in table and "met (events)" in table
     assert table.rstrip().endswith("| met (events) | 1.02x / 1.00x |")
     assert report([found]).startswith("**outside traffic")
-    text = f"intro\n{README_BEGIN}\nold\n{README_END}\nrest\n"
-    assert replace_section(text, "new\n") == f"intro\n{README_BEGIN}\nnew\n{README_END}\nrest\n"
+    text = f"intro\n{SECTION_BEGIN}\nold\n{SECTION_END}\nrest\n"
+    assert replace_section(text, "new\n") == f"intro\n{SECTION_BEGIN}\nnew\n{SECTION_END}\nrest\n"
     with pytest.raises(ConfigError):
         replace_section("no markers", "x")
     # results are found by cell, or by another cell of the same settings

@@ -84,6 +84,43 @@ async def test_connect_failure_is_retried_and_the_replica_comes_back() -> None:
         assert back.engine(0).stats().prefix_cache_queries > 0
 
 
+async def test_after_a_retry_the_books_say_the_chain_went_where_it_was_served() -> None:
+    """The chosen replica refuses the connection and the next-best serves the request: the
+    reuse book, the occupancy, the home claim and the load all say the chain went to the one
+    that served it, and nothing of it is left on the one that never got it."""
+    async with contextlib.AsyncExitStack() as stack:
+        live = await stack.enter_async_context(engines(1))
+        doomed_cm = engines(1, id_prefix="doomed-")
+        doomed = await doomed_cm.__aenter__()
+        service = await stack.enter_async_context(
+            router(replica=(*live.specs, *doomed.specs), health_interval_s=30)
+        )
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=base_url(service), timeout=10)
+        )
+        await doomed_cm.__aexit__(None, None, None)  # it dies after the router saw it
+        body = chat(SYSTEM, "q")
+        await prefer(service, "doomed-0", body)
+        answer = await client.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200
+        assert answer.headers[REPLICA_HEADER] == "replica-0"
+
+        decider = service.router.decider
+        assert decider.reuse is not None and decider.occupancy is not None
+        assert decider.reuse.prefixes("replica-0") == 1
+        assert decider.reuse.prefixes("doomed-0") == 0
+        assert decider.occupancy.count("replica-0") == 1  # the request joined it
+        assert decider.occupancy.count("doomed-0") == 0  # and left the one it never reached
+        ids = decider.tokenizers.default.chat_sync(body["messages"])
+        survey = service.router.index.survey_now(SIM, block_keys(ids, SIM))
+        assert survey is not None and set(survey.homes) == {"replica-0"}
+        assert service.router.load.local_snapshot(SIM) == {}  # every lease released
+        page = (await client.get("/metrics")).text
+        assert metric(page, "kvrouter_router_retries_total", reason="connect") == 1
+        assert metric(page, "kvrouter_router_prompt_tokens_total", replica="replica-0") > 0
+        assert metric(page, "kvrouter_router_prompt_tokens_total", replica="doomed-0") == 0
+
+
 @contextlib.asynccontextmanager
 async def failing_replica(status: int = 500) -> AsyncIterator[str]:
     """An upstream whose generation routes fail with ``status``; its spec is yielded."""
