@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import redis
 import zmq.asyncio
 
+from bench.stack.ports import share_ports
 from tests.procs import RedisServer
 
 DATA = Path(__file__).resolve().parent / "data"  # copies of shared data: tests/data/README.md
@@ -47,3 +49,21 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
     yield context
     context.destroy(linger=0)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each pytest-xdist worker picks its loopback ports from its own part of the range."""
+    worker, workers = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+    )
+    if worker and workers:
+        share_ports(int(worker.removeprefix("gw")), int(workers))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``) the fault drills run one after another on one
+    worker: each starts a whole stack and times its recovery."""
+    for item in items:
+        if item.get_closest_marker("faults") is not None:
+            item.add_marker(pytest.mark.xdist_group("faults"))

@@ -14,6 +14,16 @@ _LOWEST_PORT: Final = 10_000
 _FEW_PORTS: Final = 1_000
 _pick = random.SystemRandom()  # not the random module's state, which tests may seed
 _handed: set[int] = set()  # ports free_ports gave out: this process never gives one twice
+_share = (0, 1)  # (which, of how many): the part of the port range this process picks from
+
+
+def share_ports(which: int, parts: int) -> None:
+    """Pick ports only from part ``which`` of ``parts`` equal parts of the range: processes
+    that pick at the same time (test workers) never hand out the same port."""
+    if not 0 <= which < parts:
+        raise ValueError(f"need 0 <= which < parts, got {which} of {parts}")
+    global _share  # noqa: PLW0603 - one setting per process, before any port is picked
+    _share = (which, parts)
 
 
 def _ephemeral_ports() -> tuple[int, int]:
@@ -48,6 +58,11 @@ def free_ports(count: int) -> int:
         # The ephemeral range covers (nearly) every port. A random one is still far safer than
         # the kernel's choice: bind(0) elsewhere may hand out the very port just released here.
         firsts = list(range(_LOWEST_PORT, 65_537 - count))
+    which, parts = _share
+    if parts > 1:
+        size = len(firsts) // parts
+        mine = firsts[which * size : (which + 1) * size]
+        firsts = [first for first in mine if first + count - 1 <= mine[-1]]
     for _ in range(100):
         first: int = _pick.choice(firsts)
         run = range(first, first + count)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import socket
 
-from bench.stack.ports import _ephemeral_ports, free_port, free_ports
+import pytest
+
+from bench.stack import ports
+from bench.stack.ports import _ephemeral_ports, free_port, free_ports, share_ports
 
 
 def test_free_ports_are_bindable_and_outside_the_ephemeral_range() -> None:
@@ -38,3 +41,18 @@ def test_no_port_is_handed_out_twice_before_its_process_binds_it() -> None:
         handed.extend(range(first, first + 3))
         handed.append(free_port())
     assert len(set(handed)) == len(handed)
+
+
+def test_processes_sharing_the_range_pick_from_their_own_parts() -> None:
+    before = ports._share
+    try:
+        picked = []
+        for which in range(3):
+            share_ports(which, 3)
+            picked.append([free_ports(2) for _ in range(20)])
+    finally:
+        share_ports(*before)
+    assert max(picked[0]) + 1 < min(picked[1])  # a run of two stays inside its part
+    assert max(picked[1]) + 1 < min(picked[2])
+    with pytest.raises(ValueError):
+        share_ports(3, 3)

@@ -27,7 +27,7 @@ async def test_engine_gauges_are_scraped_with_the_requests_routed_then() -> None
     A request no router counted is outside traffic once two scrapes in a row see it."""
     async with (
         engines(1, time_scale=1.0, floor_ms=10.0) as fleet,
-        router(replica=fleet.specs) as service,
+        router(replica=fleet.specs, metrics_interval_s=0) as service,  # scraped by the test only
     ):
         replica = service.router.replicas.all()[0]
         body = chat("long", "go", stream=True, max_tokens=2000)
@@ -60,7 +60,7 @@ async def test_a_request_routed_while_the_gauges_are_read_is_not_outside_traffic
     would wait for a second scrape before it counted as outside traffic."""
     async with (
         engines(1, time_scale=1.0, floor_ms=10.0) as fleet,
-        router(replica=fleet.specs) as service,
+        router(replica=fleet.specs, metrics_interval_s=0) as service,  # scraped by the test only
         httpx.AsyncClient(base_url=base_url(service), timeout=10) as client,
         contextlib.AsyncExitStack() as streams,
     ):

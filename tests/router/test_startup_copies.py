@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from router.http.proxy import REPLICA_HEADER
-from tests.router.harness import base_url, chat, engines, router
+from tests.router.harness import base_url, chat, engines, router, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,7 +37,8 @@ async def test_the_second_request_of_a_new_prefix_waits_for_its_first_at_home() 
             first = asyncio.create_task(
                 client.post("/v1/chat/completions", json=chat(system, "first"))
             )
-            await asyncio.sleep(0.01)  # the first is prefilling (~90 ms) when the second comes
+            # the second comes while the first prefills (~90 ms), however busy the host
+            await wait_until(lambda: fleet.running() > 0, within=5.0, interval=0.001)
             second = await client.post("/v1/chat/completions", json=chat(system, "second"))
             answer = await first
             assert answer.status_code == second.status_code == 200
