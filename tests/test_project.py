@@ -268,3 +268,40 @@ def test_only_the_http_front_end_serves_http() -> None:
         if imported_packages(path) & SERVING
     }
     assert offenders == {}
+
+
+# A class lives in one file: a large class is cut by composition, never by an inheritance
+# chain across modules. Only these bases are made to be extended elsewhere.
+EXTENSION_POINTS = frozenset(
+    {
+        "Settings",  # tracker.framework.settings: every command's settings
+        "LogSettings",
+        "ServiceSettings",
+        "KVRouterError",  # tracker.framework.errors: each part's error tree
+        "EngineShape",  # publishers.config: the engine's size and speed, which configs extend
+        "Baseline",  # router.baselines.baseline: the benchmark's policies
+        "Hooks",  # bench.harness: what a benchmark run reports to
+    }
+)
+
+
+def test_no_class_extends_a_class_of_another_module_but_the_extension_points() -> None:
+    defined: dict[str, set[str]] = {}
+    trees = {}
+    for part in PARTS:
+        for path in (ROOT / part).rglob("*.py"):
+            trees[path] = tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    defined.setdefault(node.name, set()).add(str(path))
+    offenders = []
+    for path, tree in trees.items():
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for base in node.bases:
+                name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
+                elsewhere = name in defined and str(path) not in defined[name]
+                if elsewhere and name not in EXTENSION_POINTS:
+                    offenders.append(f"{path.relative_to(ROOT)}: {node.name}({name})")
+    assert offenders == []

@@ -10,7 +10,7 @@ shares them with every other router.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol
@@ -40,9 +40,9 @@ class Lease:
     """One dispatched request's share of a replica's load; a context manager that releases."""
 
     __slots__ = (
-        "_board",
         "_prefilling",
         "_released",
+        "_totals",
         "namespace",
         "prefill_tokens",
         "replica",
@@ -50,9 +50,9 @@ class Lease:
     )
 
     def __init__(
-        self, board: LoadTotals, namespace: Namespace, replica: str, prefill_tokens: int
+        self, totals: LoadTotals, namespace: Namespace, replica: str, prefill_tokens: int
     ) -> None:
-        self._board = board
+        self._totals = totals
         self.namespace = namespace
         self.replica = replica
         self.prefill_tokens = prefill_tokens
@@ -73,8 +73,8 @@ class Lease:
         """The request's prefill is done: stop counting its tokens (idempotent)."""
         if self._prefilling and not self._released:
             self._prefilling = False
-            self._board._prefilled(self)
-            self._board._adjust(self.namespace, self.replica, 0, -self.prefill_tokens)
+            self._totals._prefilled(self)
+            self._totals._adjust(self.namespace, self.replica, 0, -self.prefill_tokens)
 
     def release(self) -> None:
         """The request finished, failed or was cancelled (idempotent)."""
@@ -82,10 +82,10 @@ class Lease:
             return
         tokens = self.prefill_tokens if self._prefilling else 0
         if self._prefilling:
-            self._board._prefilled(self)
+            self._totals._prefilled(self)
         self._released = True
         self._prefilling = False
-        self._board._adjust(self.namespace, self.replica, -1, -tokens)
+        self._totals._adjust(self.namespace, self.replica, -1, -tokens)
 
     def __enter__(self) -> Lease:
         return self
@@ -145,9 +145,13 @@ class LoadBoard(Protocol):
 
 
 class LoadTotals:
-    """This process's load per (partition, replica), kept exact by its leases."""
+    """This process's load per (partition, replica), kept exact by its leases.
 
-    def __init__(self) -> None:
+    :param on_change: called with ``(partition, replica)`` each time that total changes.
+    """
+
+    def __init__(self, on_change: Callable[[Namespace, str], None] | None = None) -> None:
+        self._on_change = on_change
         self._totals: dict[Namespace, dict[str, list[int]]] = {}
         # per (partition, replica): the leases still prefilling, oldest first (an ordered set)
         self._prefilling: dict[_Key, dict[Lease, None]] = {}
@@ -173,7 +177,7 @@ class LoadTotals:
             if not pending:
                 del self._prefilling[key]
 
-    def _since(self, namespace: Namespace, replica: str) -> float | None:
+    def since(self, namespace: Namespace, replica: str) -> float | None:
         """When this router's oldest request still prefilling on ``replica`` was sent."""
         pending = self._prefilling.get((namespace, replica))
         return next(iter(pending)).started if pending else None
@@ -187,37 +191,49 @@ class LoadTotals:
         total[1] += tokens
         if total[0] == 0 and total[1] == 0:
             del per[replica]
-        self._changed(namespace, replica)
+        if self._on_change is not None:
+            self._on_change(namespace, replica)
 
-    def _changed(self, namespace: Namespace, replica: str) -> None:
-        """Hook: the total of (namespace, replica) changed."""
-
-    def _total(self, key: _Key) -> tuple[int, int]:
-        total = self._totals.get(key[0], {}).get(key[1])
+    def total(self, namespace: Namespace, replica: str) -> tuple[int, int]:
+        """``(requests in flight, queued prefill tokens)`` of ``replica`` in a partition."""
+        total = self._totals.get(namespace, {}).get(replica)
         return (total[0], total[1]) if total is not None else (0, 0)
 
-    def local_snapshot(self, namespace: Namespace) -> dict[str, Load]:
-        """This router's own load per replica; never fails."""
+    def held(self) -> list[_Key]:
+        """Every (partition, replica) with load."""
+        return [(namespace, replica) for namespace, per in self._totals.items() for replica in per]
+
+    def snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        """This router's own load per replica in ``namespace``'s partition."""
         base = namespace.base()
         per = self._totals.get(base, {})
-        return {replica: Load(n, q, self._since(base, replica)) for replica, (n, q) in per.items()}
+        return {replica: Load(n, q, self.since(base, replica)) for replica, (n, q) in per.items()}
 
 
-class LocalLoadBoard(LoadTotals):
+class LocalLoadBoard:
     """In-process load only: a single router, or the embedded mode."""
 
     survey_load: SurveyLoad | None = None
 
+    def __init__(self) -> None:
+        self.totals = LoadTotals()
+
+    def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
+        return self.totals.acquire(namespace, replica, prefill_tokens)
+
+    def local_snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        return self.totals.snapshot(namespace)
+
     async def snapshot(self, namespace: Namespace) -> dict[str, Load]:
-        return self.local_snapshot(namespace)
+        return self.totals.snapshot(namespace)
 
     def current(self, namespace: Namespace) -> dict[str, Load]:
-        return self.local_snapshot(namespace)
+        return self.totals.snapshot(namespace)
 
     def merge(
         self, namespace: Namespace, others: Mapping[str, tuple[int, int, int]]
     ) -> dict[str, Load]:
-        return self.local_snapshot(namespace)  # no other router shares this board
+        return self.totals.snapshot(namespace)  # no other router shares this board
 
     async def start(self) -> None:
         return None

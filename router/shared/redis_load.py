@@ -23,7 +23,7 @@ from typing import Final
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from router.shared.load import Load, LoadTotals, SurveyLoad
+from router.shared.load import Lease, Load, LoadTotals, SurveyLoad
 from tracker.core import lua
 from tracker.core.blocks import Namespace
 from tracker.core.keys import NamespaceKeys
@@ -60,7 +60,7 @@ class LoadBoardStats:
     snapshot_errors: int = 0
 
 
-class RedisLoadBoard(LoadTotals):
+class RedisLoadBoard:
     """Load shared by every router through one expiring hash per index partition.
 
     The owner calls :meth:`start` (renewal: without it, requests that outlive
@@ -97,12 +97,12 @@ class RedisLoadBoard(LoadTotals):
         :param on_error: called with ``"load_push"`` or ``"load_read"`` on each failed write
             or read.
         """
-        super().__init__()
         if not router_id or "\x00" in router_id:
             raise ValueError("router_id must be a non-empty string without NUL characters")
         if not 0 < renew_interval_s < lease_ttl_s:
             raise ValueError("need 0 < renew_interval_s < lease_ttl_s")
         self.client = client
+        self.totals = LoadTotals(on_change=self._changed)
         self.router_id = router_id
         self.lease_ttl_s = lease_ttl_s
         self.renew_interval_s = renew_interval_s
@@ -130,6 +130,12 @@ class RedisLoadBoard(LoadTotals):
         self._view_failing = False
         self.beside_index = beside_index
         self.on_error = on_error
+
+    def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
+        return self.totals.acquire(namespace, replica, prefill_tokens)
+
+    def local_snapshot(self, namespace: Namespace) -> dict[str, Load]:
+        return self.totals.snapshot(namespace)
 
     def _key(self, namespace: Namespace) -> str:
         key = self._keys.get(namespace)
@@ -165,8 +171,8 @@ class RedisLoadBoard(LoadTotals):
         by_key: dict[str, list[str | int]] = {}
         now = time.monotonic()
         for key in batch:
-            inflight, tokens = self._total(key)
-            since = self._since(*key)
+            inflight, tokens = self.totals.total(*key)
+            since = self.totals.since(*key)
             age_ms = round((now - since) * 1000) if since is not None else 0
             by_key.setdefault(self._key(key[0]), []).extend((key[1], inflight, tokens, age_ms))
         ttl_ms = self.ttl_ms
@@ -198,8 +204,7 @@ class RedisLoadBoard(LoadTotals):
     async def _renew(self) -> None:
         while True:
             await asyncio.sleep(self.renew_interval_s)
-            for namespace, per in self._totals.items():
-                self._dirty.update((namespace, replica) for replica in per)
+            self._dirty.update(self.totals.held())
             if self._dirty:
                 self._kick()
 
@@ -297,7 +302,7 @@ class RedisLoadBoard(LoadTotals):
         self._wanted[base] = now
         read = self._views.get(base)
         if read is None or now - read[0] > VIEW_MAX_AGE_S:
-            return self.local_snapshot(base)
+            return self.totals.snapshot(base)
         return self._combine(base, read[1], read[0])
 
     def current(self, namespace: Namespace) -> dict[str, Load] | None:
@@ -341,7 +346,7 @@ class RedisLoadBoard(LoadTotals):
     ) -> dict[str, Load]:
         """This router's own load plus ``others`` (read at ``read_at``, ``time.monotonic``)."""
         self.stats.snapshots += 1
-        out = self.local_snapshot(base)
+        out = self.totals.snapshot(base)
         for replica, (inflight, tokens, age_ms) in others.items():
             if not replica:
                 continue
