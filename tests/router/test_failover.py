@@ -24,6 +24,7 @@ from tests.factories import SIM
 from tests.procs import RedisServer, free_port, free_ports
 from tests.router.harness import (
     SYSTEM,
+    Engines,
     Process,
     base_url,
     chat,
@@ -45,18 +46,27 @@ async def prefer(service: RouterService, replica: str, body: dict[str, Any]) -> 
     await service.router.index.predict(SIM, replica, block_keys(ids, SIM), 60.0)
 
 
+async def dead_replica(
+    stack: contextlib.AsyncExitStack,
+) -> tuple[RouterService, httpx.AsyncClient, Engines]:
+    """A router in front of a live engine (replica-0) and of one that died after the router
+    saw it (doomed-0, whose ports are returned)."""
+    live = await stack.enter_async_context(engines(1))
+    doomed_cm = engines(1, id_prefix="doomed-")
+    doomed = await doomed_cm.__aenter__()
+    service = await stack.enter_async_context(
+        router(replica=(*live.specs, *doomed.specs), health_interval_s=30)
+    )
+    client = await stack.enter_async_context(
+        httpx.AsyncClient(base_url=base_url(service), timeout=10)
+    )
+    await doomed_cm.__aexit__(None, None, None)
+    return service, client, doomed
+
+
 async def test_connect_failure_is_retried_and_the_replica_comes_back() -> None:
     async with contextlib.AsyncExitStack() as stack:
-        live = await stack.enter_async_context(engines(1))
-        doomed_cm = engines(1, id_prefix="doomed-")
-        doomed = await doomed_cm.__aenter__()
-        service = await stack.enter_async_context(
-            router(replica=(*live.specs, *doomed.specs), health_interval_s=30)
-        )
-        client = await stack.enter_async_context(
-            httpx.AsyncClient(base_url=base_url(service), timeout=10)
-        )
-        await doomed_cm.__aexit__(None, None, None)  # the replica dies after the router saw it
+        service, client, doomed = await dead_replica(stack)
         body = chat(SYSTEM, "q")
         await prefer(service, "doomed-0", body)
         answer = await client.post("/v1/chat/completions", json=body)
@@ -89,16 +99,7 @@ async def test_after_a_retry_the_books_say_the_chain_went_where_it_was_served() 
     reuse book, the occupancy, the home claim and the load all say the chain went to the one
     that served it, and nothing of it is left on the one that never got it."""
     async with contextlib.AsyncExitStack() as stack:
-        live = await stack.enter_async_context(engines(1))
-        doomed_cm = engines(1, id_prefix="doomed-")
-        doomed = await doomed_cm.__aenter__()
-        service = await stack.enter_async_context(
-            router(replica=(*live.specs, *doomed.specs), health_interval_s=30)
-        )
-        client = await stack.enter_async_context(
-            httpx.AsyncClient(base_url=base_url(service), timeout=10)
-        )
-        await doomed_cm.__aexit__(None, None, None)  # it dies after the router saw it
+        service, client, _ = await dead_replica(stack)
         body = chat(SYSTEM, "q")
         await prefer(service, "doomed-0", body)
         answer = await client.post("/v1/chat/completions", json=body)
