@@ -60,6 +60,14 @@ async def dead_replica(
     client = await stack.enter_async_context(
         httpx.AsyncClient(base_url=base_url(service), timeout=10)
     )
+
+    def checked() -> bool:  # the start-up health check passed both, before one dies
+        value = service.registry.get_sample_value(
+            "kvrouter_router_health_checks_total", {"result": "ok"}
+        )
+        return (value or 0) >= 2
+
+    await wait_until(checked)
     await doomed_cm.__aexit__(None, None, None)
     return service, client, doomed
 
