@@ -160,7 +160,7 @@ class RouterSettings(ServiceSettings):
         "hashing with EAGLE-style drafting; default: what the tracker saw in their events)",
     )
     predict_ttl_s: float = setting(
-        3.0, "predict-on-route: the chosen replica holds the prompt's blocks this long (0: off)"
+        3.0, "predict-on-route: the replica sent to holds the prompt's blocks this long (0: off)"
     )
     home_ttl_s: float = setting(
         120.0,
