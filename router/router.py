@@ -141,7 +141,6 @@ class Router:
             replicas=self.replicas,
             tokenizers=tokenizers,
             shared=self.shared,
-            load=self.load,
             speeds=self.speeds,
             metrics=metrics,
             detector=MismatchDetector(

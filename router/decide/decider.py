@@ -35,7 +35,6 @@ from router.decide.tokenize import TokenizerBook
 from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError
 from router.fleet.replicas import Replica, ReplicaSet
 from router.metrics import MismatchDetector, RouterMetrics
-from router.shared.load import LoadBoard
 from router.shared.state import SharedState, SharedView
 from tracker.core.blocks import ChainCache, Namespace
 from tracker.core.index import Home, Residency, Route
@@ -49,9 +48,8 @@ _NOTHING = Residency(0, 0)
 class Decider:
     """Places requests and keeps the books of each attempt; never blocks the loop.
 
-    :param shared: the index and every router's load, read under a budget.
-    :param load: where this router's attempts take their load leases (the board ``shared``
-        reads).
+    :param shared: the index and every router's load, read under a budget; its load board
+        is where this router's attempts take their leases.
     :param detector: compares predicted cached tokens with what engines report.
     :param baseline: a benchmark baseline that places instead of kvrouter's policy
         (:mod:`router.baselines`); None: the policy.
@@ -65,7 +63,6 @@ class Decider:
         replicas: ReplicaSet,
         tokenizers: TokenizerBook,
         shared: SharedState,
-        load: LoadBoard,
         speeds: SpeedBook,
         metrics: RouterMetrics,
         detector: MismatchDetector,
@@ -79,7 +76,6 @@ class Decider:
         self.replicas = replicas
         self.tokenizers = tokenizers
         self.shared = shared
-        self.load = load
         self.speeds = speeds
         self.metrics = metrics
         self.detector = detector
@@ -333,7 +329,7 @@ class Decider:
         """
         score = placement.score(replica)
         namespace, keys = placement.namespace, placement.keys
-        lease = self.load.acquire(
+        lease = self.shared.load.acquire(
             namespace, replica, score.uncached_tokens + round(score.loading_tokens)
         )
         self.metrics.inflight.labels(replica).inc()
