@@ -5,8 +5,8 @@ Round after round the same kind of request, a group's cached system prompt and a
 question, goes one at a time straight to an engine and through each router in a shuffled
 order. Reported per target: its TTFT, what it adds over the direct request of the same round
 (a paired difference; p50 and p90, real ms) and the router process's CPU per request (every
-thread, from /proc). Method and results: the README ("Against the peers, one request at a
-time").
+thread, from /proc). Method and results: docs/results.md ("Against the peers, one request at
+a time").
 
     python -m bench.overhead [--rounds 300] [--peers smg,vllm-kv,vllm-cache] [--json FILE]
 """

@@ -3,8 +3,8 @@
 Starts a :class:`~bench.stack.local.LocalStack` (two simulated engines, Redis, the tracker,
 one router) and drives it from this process: a closed loop of non-streamed requests, and
 streams timestamped chunk by chunk, each straight to the engines and through the router, with
-every process's CPU per request read from /proc (the router benchmark's proxy part; the
-README, "Router").
+every process's CPU per request read from /proc (the router benchmark's proxy part;
+docs/results.md, "The proxy").
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def _x(value: float | None) -> str:
 
 
 def rows(summaries: dict[str, Summary]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the results table (terminal and README)."""
+    """Header and rows of the results table (terminal and docs)."""
     header = [
         "policy",
         "TTFT p50",

@@ -1,9 +1,9 @@
 """Router benchmark: decision overhead per stage, proxy throughput and per-chunk latency.
 
 The decision is timed through the router's own objects over a populated index (Redis or
-embedded), the data path by :mod:`bench.proxy_load`; method, targets and results are in the
-README ("Router"). ``python -m bench.router_bench`` writes bench/results/router.json and
-prints two tables.
+embedded), the data path by :mod:`bench.proxy_load`; method, targets and results are in
+docs/results.md ("What a request pays for the router"). ``python -m bench.router_bench``
+writes bench/results/router.json and prints two tables.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The scenario matrix's report from its result files: per axis a Markdown table of every
-cell's bounds, kvrouter, the best peer and the verdict; every cell's full table; the README
-section between the matrix markers."""
+cell's bounds, kvrouter, the best peer and the verdict; every cell's full table; the
+section of docs/results.md between the matrix markers."""
 
 from __future__ import annotations
 
