@@ -61,9 +61,30 @@ def pytest_configure(config: pytest.Config) -> None:
         share_ports(int(worker.removeprefix("gw")), int(workers))
 
 
+# Under pytest-xdist (--dist loadgroup, scripts/test) these run one after another on one
+# worker: the fault drills each start a whole stack and time its recovery; the HTTP fuzz
+# module's last test checks what all the others sent.
+SERIAL = {"tests/faults/": "faults", "tests/security/test_http_fuzz.py": "http_fuzz"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``--dist loadgroup``) the fault drills run one after another on one
-    worker: each starts a whole stack and times its recovery."""
     for item in items:
-        if item.get_closest_marker("faults") is not None:
-            item.add_marker(pytest.mark.xdist_group("faults"))
+        for prefix, group in SERIAL.items():
+            if item.nodeid.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    """A worker of ``--dist loadgroup`` whose grouped tests come untagged would run them on
+    every worker at once, silently (pytest-dev/pytest-xdist#1386): stop instead."""
+    if node.config.getvalue("dist") != "loadgroup":  # type: ignore[attr-defined]
+        return
+    lost = [nodeid for nodeid in ids if nodeid.startswith(tuple(SERIAL)) and "@" not in nodeid]
+    if lost:
+        pytest.exit(
+            f"pytest-xdist's --dist loadgroup does not group with this pytest ({lost[0]} and "
+            f"{len(lost) - 1} more would run on every worker at once): install the test "
+            "extra's pytest (pytest-dev/pytest-xdist#1386)",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )

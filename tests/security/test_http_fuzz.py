@@ -30,8 +30,7 @@ from tests.procs import free_port, free_ports
 from tests.router.harness import Process
 from tests.security import openapi
 
-# one worker runs the whole module (pytest-xdist): its last test checks what all the others sent
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("http_fuzz")]
+pytestmark = pytest.mark.timeout(300)  # one worker runs it all: tests/conftest.py, SERIAL
 
 BOUND_S = 5.0
 MAX_BODY = 256 * 1024
