@@ -107,6 +107,15 @@ async def test_restart_restores_ledger_from_engine_map(index_factory: Any) -> No
     assert await third.last_seq("r1", LLAMA) == 11
 
 
+async def test_a_reader_counts_the_blocks_another_index_writes(index_factory: Any) -> None:
+    """Asked before the tracker wrote anything, a reader (a test, an operator) still sees what
+    the tracker writes after: it keeps no copy of a ledger it does not write."""
+    tracker, reader = index_factory(), index_factory()
+    assert await reader.block_count("r1", LLAMA) == 0
+    await tracker.apply("r1", LLAMA, batch(store(SEQ)), 1)
+    assert await reader.block_count("r1", LLAMA) == len(SEQ) // LLAMA.block_size
+
+
 async def test_restart_after_clear_and_forget_restores_nothing(index_factory: Any) -> None:
     first = index_factory()
     await first.apply("r1", LLAMA, batch(store(SEQ)), 1)

@@ -345,4 +345,19 @@ class RedisWriter:
         return None if value is None else int(value)
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
-        return len(await self.ledger(replica, namespace))
+        """How many distinct blocks ``replica`` holds: from the ledger this writer keeps, or
+        else as Redis holds it now, not cached (another writer keeps that ledger: a copy
+        cached here would stay empty while it fills)."""
+        base = namespace.base()
+        ledger = self.ledgers.get((replica, base))
+        if ledger is not None:
+            return len(ledger)
+        rid = self.known_rid(replica, base)
+        if rid is None:  # look it up, allocating nothing (nor an empty ledger with it)
+            found = await redis_call("rid", self.client.hget(self.keys_for(base).rid, replica))
+            if found is None:
+                return 0
+            rid = int(found)
+        ledger = ReplicaLedger(replica, base)
+        ledger.load(await self.engine_map(rid, base))
+        return len(ledger)
