@@ -337,11 +337,9 @@ class Decider:
         if not placement.request.stream:
             delay = max(0.0, score.expected_ttft_ms / 1000)
             attempt.timer = asyncio.get_running_loop().call_later(delay, lease.first_token)
-        held = placement.matches.get(replica)
-        start = held.blocks - held.predicted_blocks if held is not None else 0
         route = Route(
             replica,
-            keys[start:],
+            keys[placement.placed_blocks(replica) :],
             self.settings.predict_ttl_s,
             [keys[p] for p in home_anchors(len(keys))],
             self.settings.home_ttl_s,
@@ -393,8 +391,7 @@ class Decider:
         checkable = placement.fallback is None and bool(placement.keys)
         if engine_cached_tokens is not None and checkable and placement.request.batch == 1:
             size = placement.namespace.block_size
-            held = placement.matches.get(replica)
-            real = (held.blocks - held.predicted_blocks) * size if held is not None else 0
+            real = placement.placed_blocks(replica) * size
             self.detector.observe(
                 placement.model,
                 replica,

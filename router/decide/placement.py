@@ -46,5 +46,11 @@ class Placement:
     def score(self, replica: str) -> Score:
         return next(s for s in self.decision.scores if s.replica == replica)
 
+    def placed_blocks(self, replica: str) -> int:
+        """The blocks of the replica's cached run that engines' events place there (the rest
+        only extends the run with routers' predictions)."""
+        held = self.matches.get(replica)
+        return held.blocks - held.predicted_blocks if held is not None else 0
+
     def state(self, replica: str) -> ReplicaState | None:
         return next((s for s in self.states if s.id == replica), None)
