@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.config import RouterSettings
+from router.config import EppSettings, RouterSettings
 from tracker.framework.cli import Command
 
 
@@ -23,4 +23,19 @@ ROUTER = Command(
     "serve the KV-cache-aware OpenAI-compatible router in front of the replicas",
     RouterSettings,
     _run_router,
+)
+
+
+def _run_epp(settings: EppSettings) -> int:
+    from router.epp.service import run  # noqa: PLC0415 - keep `--help` light
+
+    return run(settings)
+
+
+EPP = Command(
+    "epp",
+    "serve kvrouter's decisions as a Gateway API Inference Extension endpoint picker "
+    "(Envoy ext_proc gRPC): the gateway carries the bytes",
+    EppSettings,
+    _run_epp,
 )

@@ -186,6 +186,11 @@ class RouterSettings(ServiceSettings):
     )
     read_timeout_s: float = setting(120.0, "longest wait between two chunks of a stream")
     retries: int = setting(1, "retries on the next-best replica before the first byte")
+    shed_inflight: int = setting(
+        0,
+        "shed a request with 429 when every replica that could serve it has this many "
+        "requests in flight from all routers (0: never)",
+    )
     max_connections: int = setting(1024, "upstream connections to each replica (own pool)")
     health_interval_s: float = setting(2.0, "time between active health checks of a replica")
     health_timeout_s: float = setting(1.0, "timeout of one health check")
@@ -255,6 +260,7 @@ class RouterSettings(ServiceSettings):
                 raise ConfigError(f"{name.replace('_', '-')} must be positive")
         for name in (
             "retries",
+            "shed_inflight",
             "predict_ttl_s",
             "home_ttl_s",
             "reuse_window_s",
@@ -345,3 +351,41 @@ class RouterSettings(ServiceSettings):
             kv_full_penalty_ms=self.kv_full_penalty_ms,
             decode_ms_per_request=self.decode_ms_per_request,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EppSettings(RouterSettings):
+    """``kvrouter epp``: the router's decisions as a Gateway API Inference Extension endpoint
+    picker (Envoy ext_proc over gRPC); the gateway carries the bytes."""
+
+    PART = "EPP"
+
+    port: int = setting(9090, "HTTP port of /metrics, /health, /index, /replicas (0: any)")
+    grpc_port: int = setting(9002, "ext_proc gRPC port the gateway sends requests to (0: any)")
+    health_port: int = setting(
+        9003, "grpc.health.v1 port: liveness, readiness, the ext_proc service (0: any)"
+    )
+    secure_serving: bool = setting(
+        True,
+        "serve gRPC over TLS (gateways connect with TLS and do not verify it): with "
+        "--tls-cert/--tls-key, else a self-signed certificate made at start",
+    )
+    tls_cert: str | None = setting(None, "PEM certificate (chain) of the gRPC servers")
+    tls_key: str | None = setting(None, "PEM private key of --tls-cert", secret=True)
+    max_streams: int = setting(
+        4096, "concurrent ext_proc streams (requests in flight through the gateway) at most"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.workers != 1:
+            raise ConfigError("workers: run more endpoint-picker replicas instead")
+        for name in ("grpc_port", "health_port", "port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name.replace('_', '-')} must be a TCP port")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls-cert and tls-key go together")
+        if self.tls_cert is not None and not self.secure_serving:
+            raise ConfigError("tls-cert is given but --no-secure-serving turns TLS off")
+        if self.max_streams <= 0:
+            raise ConfigError("max-streams must be positive")

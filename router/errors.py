@@ -93,6 +93,14 @@ class NoReplicaError(RouterError):
     code = "no_replica_available"
 
 
+class OverloadedError(RouterError):
+    """Every replica that could serve the request is full: it is shed (429)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "overloaded"
+
+
 def status_of(exc: BaseException) -> int:
     """HTTP status for ``exc``: its own for router errors, 500 for anything else."""
     return exc.status if isinstance(exc, RouterError) else 500

@@ -160,6 +160,19 @@ class RouterMetrics:
             "fallbacks", "Decisions made without the index or without shared load", ("reason",)
         )
         self.retries = counter("retries", "Requests retried on the next-best replica", ("reason",))
+        self.shed = Counter(
+            "kvrouter_router_shed",
+            "Requests refused with 429: every candidate was full",
+            registry=registry,
+        )
+        self.epp_streams = gauge(
+            "epp_streams", "Open ext_proc streams (requests through the gateway)", workers="livesum"
+        )
+        self.epp_reroutes = counter(
+            "epp_reroutes",
+            "Requests a gateway served on another endpoint than the pick (its retries)",
+            ("replica",),
+        )
         self.upstream_errors = counter(
             "upstream_errors", "Failed upstream attempts", ("replica", "kind")
         )

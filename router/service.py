@@ -1,9 +1,7 @@
-"""RouterService: open the index and the Redis client, start the embedded tracker, serve, drain.
+"""RouterService: open the index (:mod:`router.backing`), serve, drain.
 
-With ``--redis`` the index, the registry and the load are shared through Redis; without it, an
-in-process index fed by an embedded tracker; with ``--local-index``, the index is the
-router's own and the load and routes are shared. Shutdown: stop accepting, let requests in
-flight finish within ``shutdown_timeout_s``, close everything; a second signal cuts it short.
+Shutdown: stop accepting, let requests in flight finish within ``shutdown_timeout_s``, close
+everything; a second signal cuts it short.
 """
 
 from __future__ import annotations
@@ -13,19 +11,16 @@ import dataclasses
 import logging
 import signal
 import socket
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
+from router.backing import Backing
 from router.config import RouterSettings
 from router.decide.tokenize import TokenizerBook
 from router.http.app import Routes, create_app
 from router.router import Router
 from router.shared.redis_load import new_router_id
-from tracker.core.backends import open_index
-from tracker.core.index import BlockIndex
-from tracker.core.redis_client import RedisConnection, open_redis
 from tracker.framework.http import HTTPServer, bind
 from tracker.framework.lifecycle import (
     freeze_heap,
@@ -33,27 +28,8 @@ from tracker.framework.lifecycle import (
     run_until_signalled,
     running_loop_name,
 )
-from tracker.ingest.config import TrackerSettings
-from tracker.ingest.embedded import EmbeddedTracker, start_embedded
-
-if TYPE_CHECKING:
-    import redis.asyncio as redis
 
 logger = logging.getLogger(__name__)
-
-
-def tracker_settings(settings: RouterSettings) -> TrackerSettings:
-    """The embedded tracker's settings: the router's replicas, no registry, no HTTP server."""
-    return TrackerSettings(
-        replica=settings.replica,
-        discover=False,
-        model=settings.model,
-        block_size=settings.block_size,
-        http_port=0,
-        shutdown_timeout_s=min(5.0, settings.shutdown_timeout_s),
-        log_level=settings.log_level,
-        log_format=settings.log_format,
-    )
 
 
 class RouterService:
@@ -79,9 +55,7 @@ class RouterService:
         self.freeze = freeze
         self._sock = sock
         self.registry = registry or CollectorRegistry()
-        self.index: BlockIndex | None = None
-        self.tracker: EmbeddedTracker | None = None
-        self._redis: RedisConnection | None = None
+        self.backing = Backing()
         self.app: Starlette | None = None
         self.port: int | None = None
         self._http: HTTPServer | None = None
@@ -104,30 +78,18 @@ class RouterService:
         """Open the index, start the embedded tracker, serve; undo everything on failure."""
         settings = self.settings
         try:
-            client: redis.Redis | None = None
-            if settings.redis and not settings.local_index:  # the shared index
-                shared = open_index(settings.redis)
-                self.index, client = shared, shared.client
-            else:  # the index is this process's own; load and routes shared through Redis
-                self.index = open_index(None)
-                if settings.redis:
-                    self._redis = open_redis(settings.redis)
-                    client = self._redis.client
-                if settings.replica:
-                    self.tracker = await start_embedded(
-                        tracker_settings(settings), self.index, self.registry
-                    )
+            index = await self.backing.open(settings, self.registry)
             tokenizers = await asyncio.to_thread(TokenizerBook.load, settings)
             self.app = create_app(
                 settings,
-                index=self.index,
+                index=index,
                 registry=self.registry,
-                redis=client,
+                redis=self.backing.client,
                 tokenizers=tokenizers,
             )
             await self._serve(self.app)
         except BaseException:
-            await self._close()
+            await self.backing.close()
             raise
         if self.freeze:
             freeze_heap()
@@ -137,7 +99,7 @@ class RouterService:
                 "host": settings.host,
                 "port": self.port,
                 "router_id": self.router_id,
-                "embedded_tracker": self.tracker is not None,
+                "embedded_tracker": self.backing.tracker is not None,
                 "loop": running_loop_name(),
             },
         )
@@ -191,19 +153,8 @@ class RouterService:
         if self._http is not None:
             await self._http.stop()
         left = self.routes.proxy.inflight if self.app is not None else 0
-        await self._close()
+        await self.backing.close()
         logger.info("router stopped", extra={"drained": inflight - left, "cancelled": left})
-
-    async def _close(self) -> None:
-        if self.tracker is not None:
-            await self.tracker.stop()
-            self.tracker = None
-        if self.index is not None:
-            await self.index.close()
-            self.index = None
-        if self._redis is not None:
-            await self._redis.aclose()
-            self._redis = None
 
 
 async def serve(settings: RouterSettings, *, sock: socket.socket | None = None) -> int:

@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from router.baselines.baseline import Baseline, Choice
 from router.config import RouterSettings
@@ -32,7 +32,7 @@ from router.decide.policy_types import PolicyConfig, ReplicaState
 from router.decide.request import PromptRequest
 from router.decide.reuse import ReuseBook
 from router.decide.tokenize import TokenizerBook
-from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError
+from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError, OverloadedError
 from router.fleet.replicas import Replica, ReplicaSet
 from router.metrics import MismatchDetector, RouterMetrics
 from router.shared.state import SharedState, SharedView
@@ -148,18 +148,29 @@ class Decider:
             )
         return min(sizes, key=lambda size: (-sizes[size], size))
 
-    async def place(self, request: PromptRequest, *, dry_run: bool = False) -> Placement:
+    async def place(
+        self,
+        request: PromptRequest,
+        *,
+        dry_run: bool = False,
+        among: Collection[str] | None = None,
+    ) -> Placement:
         """Decide where ``request`` goes.
 
         :param dry_run: an operator query: a prompt that cannot be tokenized is a 400.
+        :param among: the replicas the caller allows (a gateway's subset hint); None: all.
         :raises ModelNotFoundError: no replica serves the model.
-        :raises NoReplicaError: none of them is healthy.
+        :raises NoReplicaError: none of them is healthy (and allowed).
+        :raises OverloadedError: every candidate has ``shed_inflight`` requests in flight.
         :raises BadRequestError: the prompt is longer than ``max_prompt_tokens``.
         """
         model, lora = self.resolve_model(request.model)
         candidates = self.replicas.candidates(model, lora)
+        if among is not None:
+            candidates = [r for r in candidates if r.id in among]
         if not candidates:
-            raise NoReplicaError(f"no healthy replica serves the model `{lora or model}`")
+            allowed = "" if among is None else " among the endpoints allowed"
+            raise NoReplicaError(f"no healthy replica serves the model `{lora or model}`{allowed}")
         block_size = self._block_size(model, candidates)
         # an adapter's blocks live in the base model's partition, keyed from its own seed
         namespace = Namespace(model, block_size, lora)
@@ -193,6 +204,8 @@ class Decider:
         looked_up = time.perf_counter()
         stages["lookup"] = looked_up - hashed
         states = self._states(model, block_size, candidates, view)
+        if not dry_run:
+            self._shed(states)
         policy = self._policies.get(block_size)
         if policy is None:
             policy = self._policies[block_size] = self.settings.policy_config(block_size)
@@ -288,6 +301,17 @@ class Decider:
             )
         return states
 
+    def _shed(self, states: Sequence[ReplicaState]) -> None:
+        """Refuse the request when every candidate already has ``shed_inflight`` requests in
+        flight from all routers (0: never): a 429 the client may retry, instead of a queue
+        that only grows."""
+        limit = self.settings.shed_inflight
+        if limit > 0 and all(state.inflight >= limit for state in states):
+            self.metrics.shed.inc()
+            raise OverloadedError(
+                f"every replica has {limit} or more requests in flight; retry later"
+            )
+
     def _home(self, home: Home | None) -> float:
         """A home claim's weight in blocks: its depth, fading linearly to 0 over its TTL."""
         ttl = self.settings.home_ttl_s
@@ -317,7 +341,9 @@ class Decider:
 
     # ------------------------------------------------------------------ attempts
 
-    def commit(self, placement: Placement, replica: str) -> Attempt:
+    def commit(
+        self, placement: Placement, replica: str, *, sees_first_token: bool | None = None
+    ) -> Attempt:
         """Book a try of ``placement`` on ``replica``, the chosen one or the next-best after
         a failure, just before the request is sent there.
 
@@ -326,6 +352,9 @@ class Decider:
         now the home of the chain's anchors; the chain joins the replica's reuse book and the
         request its occupancy. A non-streamed answer shows no first token: its prefill is
         taken as done when the policy expected it to be.
+
+        :param sees_first_token: whether the front end will call :meth:`first_token`
+            (default: for a stream); if not, the prefill is taken as done when expected.
         """
         score = placement.score(replica)
         namespace, keys = placement.namespace, placement.keys
@@ -334,7 +363,7 @@ class Decider:
         )
         self.metrics.inflight.labels(replica).inc()
         attempt = Attempt(placement, replica, score, lease)
-        if not placement.request.stream:
+        if not (placement.request.stream if sees_first_token is None else sees_first_token):
             delay = max(0.0, score.expected_ttft_ms / 1000)
             attempt.timer = asyncio.get_running_loop().call_later(delay, lease.first_token)
         route = Route(

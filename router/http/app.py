@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -48,9 +48,11 @@ class Routes:
     """The router's HTTP routes over its parts.
 
     :param router: the parts (started and stopped by the app's lifespan).
+    :param inflight: requests in flight (default: the proxy's; the endpoint picker's are
+        its open streams).
     """
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, inflight: Callable[[], int] | None = None) -> None:
         settings = router.settings
         self.router = router
         self.settings = settings
@@ -71,6 +73,7 @@ class Routes:
         self.admin_keys = KeyCheck(admin or api)
         self.draining = False
         self.created = int(time.time())
+        self.inflight = inflight or (lambda: self.proxy.inflight)
 
     # ------------------------------------------------------------------ OpenAI routes
 
@@ -130,7 +133,7 @@ class Routes:
             "replicas": {"total": len(replicas), "healthy": healthy},
             "index": {"backend": type(self.router.index).__name__, "breaker": breaker},
             "registry_reachable": self.router.monitor.registry_reachable,
-            "inflight": self.proxy.inflight,
+            "inflight": self.inflight(),
         }
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
@@ -184,8 +187,7 @@ def create_app(
     """
     router = Router(settings, index=index, registry=registry, redis=redis, tokenizers=tokenizers)
     routes = Routes(router)
-    api, admin = routes.api_keys, routes.admin_keys
-    metrics = metrics_endpoint(registry, exposition=exposition)
+    api = routes.api_keys
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -203,6 +205,25 @@ def create_app(
             methods=["POST"],
         ),
         Route("/v1/models", routes.guard(routes.models, api, None)),
+    ]
+    return _app(routes, table, lifespan)
+
+
+def operator_app(routes: Routes) -> Starlette:
+    """The operator routes alone, over parts its owner starts and stops (the endpoint
+    picker's HTTP port: the gateway carries the OpenAI routes)."""
+    return _app(routes, [], None)
+
+
+def _app(
+    routes: Routes,
+    table: list[Route],
+    lifespan: Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]] | None,
+) -> Starlette:
+    admin = routes.admin_keys
+    metrics = metrics_endpoint(routes.router.registry, exposition=exposition)
+    table = [
+        *table,
         Route("/index", routes.guard(routes.index_query, admin, None), methods=["POST"]),
         Route("/replicas", routes.guard(routes.replica_list, admin, None)),
         Route("/metrics", routes.guard(metrics, admin, None)),
@@ -210,6 +231,6 @@ def create_app(
     ]
     handlers = {HTTPException: http_error_handler(_http_error)}
     app = Starlette(routes=table, lifespan=lifespan, exception_handlers=handlers)
-    app.state.router = router
+    app.state.router = routes.router
     app.state.routes = routes
     return app

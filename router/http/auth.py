@@ -43,9 +43,13 @@ class KeyCheck:
         return bool(self._keys)
 
     def allows(self, request: Request) -> bool:
+        return self.allows_header(request.headers.get("authorization", ""))
+
+    def allows_header(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header's value carries one of the keys."""
         if not self._keys:
             return True
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        scheme, _, token = authorization.partition(" ")
         given = token.strip().encode() if scheme.lower() == "bearer" else b""
         # compare against every key, so the time taken says nothing about which one is close
         matched = False
