@@ -132,7 +132,7 @@ class Stream:
 
     async def read(self, count: int) -> list[Any]:
         """The next ``count`` answers (within 10 s)."""
-        out = []
+        out: list[Any] = []
         async with asyncio.timeout(10):
             for _ in range(count):
                 answer = await self.call.read()
