@@ -71,7 +71,10 @@ class ExtProc:
     :param tls: TLS to the pickers without verifying their certificate, as GIE gateways do
         (a picker's self-signed certificate works); False: plaintext h2c.
     :param failure_mode_allow: FailOpen: a picker that cannot be reached or fails is skipped
-        and the request goes where its own header says; False (FailClose): a 5xx.
+        and the request goes where its own header says; False (FailClose): a 5xx. With a
+        FULL_DUPLEX_STREAMED body Envoy fails closed all the same once a body chunk went to
+        the picker (it no longer holds it): against a picker that is down, a POST then
+        races its error and often gets a 500; BUFFERED keeps the body and fails open.
     :param request_body_mode: ``FULL_DUPLEX_STREAMED`` (the picker answers the headers only
         after the body's end and streams the body back) or ``BUFFERED`` (Envoy sends the
         whole body in one message after the headers; the picker answers each).
