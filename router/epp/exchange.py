@@ -230,10 +230,11 @@ class Exchange:
         left, the upstream broke): whatever the pick booked is finished."""
         if self.pick is None or self.pick.done:
             return
-        # the body was not to be shown: the response ended when the gateway closed the stream
-        complete = self.response_started and self.response_chunks == 0
-        if complete and self.response_mode in (None, _Mode.NONE):
+        # the body is not shown (Envoy closes the stream once the response headers are
+        # answered): how the response ends is not seen
+        unseen = self.response_started and self.response_chunks == 0
+        if unseen and self.response_mode in (None, _Mode.NONE):
             outcome = "ok" if self.status < 500 else "error"
+            self.picker.finish(self.pick, outcome, self.status, None, unseen=True)
         else:
-            outcome = "client_disconnect"
-        self.picker.finish(self.pick, outcome, self.status or 499, self._cached_tokens())
+            self.picker.finish(self.pick, "client_disconnect", self.status or 499, None)

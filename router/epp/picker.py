@@ -9,6 +9,7 @@ retries), the attempt moves there; when the response ends, however it ends, it i
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Collection
@@ -159,10 +160,37 @@ class EndpointPicker:
         if pick.attempt is not None:
             self.decider.first_token(pick.attempt)
 
-    def finish(self, pick: Pick, outcome: str, status: int, cached_tokens: int | None) -> None:
-        """The response ended (idempotent): counted, and the attempt finished."""
+    def finish(
+        self,
+        pick: Pick,
+        outcome: str,
+        status: int,
+        cached_tokens: int | None,
+        *,
+        unseen: bool = False,
+    ) -> None:
+        """The response ended (idempotent): counted, and the attempt finished.
+
+        :param unseen: the gateway showed only the response's headers (its body skipped), so
+            the end of the generation cannot be seen: the attempt is held until its expected
+            first token, the prefill the load it books stands for.
+        """
         if pick.done:
             return
+        attempt = pick.attempt
+        if unseen and attempt is not None and attempt.first_token_at is None:
+            expected = attempt.dispatched + attempt.score.expected_ttft_ms / 1000
+            if expected > time.monotonic():
+                loop = asyncio.get_running_loop()
+                loop.call_at(
+                    loop.time() + expected - time.monotonic(),
+                    self.finish,
+                    pick,
+                    outcome,
+                    status,
+                    cached_tokens,
+                )
+                return
         pick.done = True
         endpoint = pick.endpoint or "other"
         self.metrics.requests.labels(endpoint, str(status), pick.replica or "").inc()

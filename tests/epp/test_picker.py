@@ -335,3 +335,25 @@ async def test_tls_with_a_given_certificate(tmp_path: Path) -> None:
                 stream.cancel()
             finally:
                 await gateway.close()
+
+
+async def test_with_the_response_body_skipped_a_request_counts_until_its_expected_first_token() -> (
+    None
+):
+    # Envoy closes the stream once the response headers are answered when the response body
+    # is not sent: the generation's end is never seen, its prefill is expected to take 400 ms
+    async with engines(2) as fleet, picker(fleet, prefill_floor_ms=400.0) as (service, gateway):
+        body = chat_body(**chat(SYSTEM, "hi", stream=True))
+        stream = gateway.stream()
+        await stream.send(
+            request_headers(response_mode=extproc.Mode.NONE), request_body(body, end=True)
+        )
+        answers = await stream.read(2)
+        served = destination(answers[0]).split(",")[0]
+        await stream.send(extproc.response_headers(served=served))
+        await stream.read(1)
+        await stream.end()
+        assert await stream.closed()
+        await asyncio.sleep(0.1)
+        assert inflight(service) == {replica_at(fleet, served): 1}
+        await wait_until(lambda: not inflight(service), within=5)
