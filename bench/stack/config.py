@@ -80,6 +80,26 @@ class VllmEngines:
         return argv
 
 
+@dataclass(frozen=True)
+class Gateway:
+    """A real Envoy in front instead of haproxy, asking the routers, run as endpoint pickers
+    (``kvrouter epp``), where each request goes; Envoy carries the bytes
+    (:mod:`bench.stack.envoy`).
+
+    :param fail_open: Envoy skips a picker it cannot reach (``failure_mode_allow``).
+    :param buffered: the request body ``BUFFERED`` instead of ``FULL_DUPLEX_STREAMED`` (with
+        which Envoy fails closed once a body chunk reached a picker, fail_open or not).
+    :param tls: TLS to the pickers (their self-signed certificates), as GIE gateways connect.
+    :param response_body: the response body streamed through the picker (it sees the first
+        token, the usage and the end); False: only the response headers.
+    """
+
+    fail_open: bool = False
+    buffered: bool = False
+    tls: bool = True
+    response_body: bool = True
+
+
 @dataclass(frozen=True, kw_only=True)
 class StackConfig(EngineShape):
     """Shape of the local stack; its engines' shape is the :class:`EngineShape` fields."""
@@ -95,6 +115,8 @@ class StackConfig(EngineShape):
     # this many seconds (kvrouter tracker --lease-ttl-s)
     tracker_lease_s: float = 0.0
     haproxy: bool = True
+    # the routers run as endpoint pickers behind a real Envoy (which replaces haproxy)
+    gateway: Gateway | None = None
     # each router keeps its own index, fed by every engine's events, and shares only the
     # load through Redis (kvrouter router --local-index)
     local_index: bool = False

@@ -429,6 +429,23 @@ def validate(path: Path, timeout_s: float = 60.0) -> subprocess.CompletedProcess
     )
 
 
+def envoy_argv(config: Path, *, base_id: int | None = None, log_level: str = "info") -> list[str]:
+    """The command line of an Envoy running the bootstrap in ``config``.
+
+    :param base_id: Envoy's shared-memory base id; None: ``--use-dynamic-base-id``, so
+        Envoys started side by side (test workers) never collide.
+    :raises EnvoyError: no Envoy binary.
+    """
+    base = ["--use-dynamic-base-id"] if base_id is None else ["--base-id", str(base_id)]
+    return [
+        str(_require_binary()),
+        "-c", str(config),
+        *base,
+        "--log-level", log_level,
+        "--disable-hot-restart",
+    ]  # fmt: skip
+
+
 class EnvoyProcess:
     """One Envoy running :class:`EnvoyConfig`, its config and log in ``workdir``.
 
@@ -463,16 +480,7 @@ class EnvoyProcess:
         return f"http://127.0.0.1:{self.config.admin_port}"
 
     def argv(self) -> list[str]:
-        base = (
-            ["--use-dynamic-base-id"] if self.base_id is None else ["--base-id", str(self.base_id)]
-        )
-        return [
-            str(_require_binary()),
-            "-c", str(self.config_path),
-            *base,
-            "--log-level", self.log_level,
-            "--disable-hot-restart",
-        ]  # fmt: skip
+        return envoy_argv(self.config_path, base_id=self.base_id, log_level=self.log_level)
 
     def start(self, timeout_s: float = 20.0) -> EnvoyProcess:
         """Write the config, start Envoy and wait until its admin ``/ready`` says LIVE.

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stack.config import StackConfig
+from bench.stack.envoy import BodyMode, EnvoyConfig, EnvoyError, ExtProc, Upstream, envoy_argv
 from bench.stack.ports import free_ports
 from bench.stack.processes import ProcessSpec, StackError
 from bench.stack.redis_servers import SENTINEL_SERVICE, redis_server_argv, sentinel_config
@@ -34,7 +35,8 @@ class StackLayout:
         self.workdir = workdir
         cfg = config
         n = cfg.replicas
-        base = free_ports(4 + 3 * n + 2 * cfg.routers + (4 if cfg.sentinel else 0))
+        pickers = 2 * cfg.routers + 1 if cfg.gateway is not None else 0
+        base = free_ports(4 + 3 * n + 2 * cfg.routers + (4 if cfg.sentinel else 0) + pickers)
         self.redis_port = base
         self.haproxy_port = base + 1
         self.tracker_port = base + 2
@@ -48,6 +50,11 @@ class StackLayout:
         after = self.replay_port + n + 2 * cfg.routers
         self.redis_replica_port = after if cfg.sentinel else None
         self.sentinel_ports = [after + 1 + i for i in range(3)] if cfg.sentinel else []
+        # with a gateway: each picker's ext_proc and health ports, and Envoy's admin port
+        after += 4 if cfg.sentinel else 0
+        self.grpc_ports = [after + i for i in range(cfg.routers)] if pickers else []
+        self.health_ports = [after + cfg.routers + i for i in range(cfg.routers)] if pickers else []
+        self.envoy_admin_port = after + 2 * cfg.routers if pickers else None
 
     # ------------------------------------------------------------------ addresses
 
@@ -70,10 +77,17 @@ class StackLayout:
 
     @property
     def entry_url(self) -> str:
-        """Where clients connect: haproxy when there is one, else the first router."""
-        if self.config.haproxy and self.config.routers > 1:
+        """Where clients connect: Envoy or haproxy when there is one, else the first router."""
+        cfg = self.config
+        if cfg.gateway is not None or (cfg.haproxy and cfg.routers > 1):
             return f"http://127.0.0.1:{self.haproxy_port}"
         return self.router_urls[0]
+
+    @property
+    def router_names(self) -> list[str]:
+        """The routers' process names: ``router-i``, or ``epp-i`` behind a gateway."""
+        kind = "epp" if self.config.gateway is not None else "router"
+        return [f"{kind}-{i}" for i in range(self.config.routers)]
 
     @property
     def replica_ids(self) -> list[str]:
@@ -157,31 +171,78 @@ class StackLayout:
             out += self._trackers([*tracker, *cfg.tracker_args])
         if cfg.local_index and cfg.redis:
             specs = ["--local-index", *every]
+        out += self._routers([*redis_flags, *specs, *vllm_flags])
+        if cfg.gateway is not None:
+            out.append(self._envoy())
+        elif cfg.haproxy and cfg.routers > 1:
+            out.append(ProcessSpec("haproxy", self._haproxy_argv()))
+        return out
+
+    def _routers(self, flags: list[str]) -> list[ProcessSpec]:
+        """The routers (or endpoint pickers), each with ``flags`` after its own."""
+        cfg, out = self.config, []
         for i, port in enumerate(self.router_ports):
-            replicas = [*specs, *vllm_flags]
+            name = self.router_names[i]
             router = ProcessSpec(
-                f"router-{i}",
+                name,
                 [
-                    kv,
-                    "router",
+                    kvrouter_bin(),
+                    "epp" if cfg.gateway is not None else "router",
                     "--port",
                     str(port),
                     "--router-id",
-                    f"router-{i}",
+                    name,
                     "--model",
                     cfg.model,
                     "--block-size",
                     str(cfg.block_size),
-                    *redis_flags,
-                    *replicas,
+                    *flags,
+                    *self._picker_flags(i),
                     *cfg.router_args,
                 ],
                 f"http://127.0.0.1:{port}/health",
             )
             out.append(router)
-        if cfg.haproxy and cfg.routers > 1:
-            out.append(ProcessSpec("haproxy", self._haproxy_argv()))
         return out
+
+    def _picker_flags(self, i: int) -> list[str]:
+        """An endpoint picker's own ports (and plaintext when the gateway connects so)."""
+        gateway = self.config.gateway
+        if gateway is None:
+            return []
+        ports = ["--grpc-port", str(self.grpc_ports[i]), "--health-port", str(self.health_ports[i])]
+        return ports if gateway.tls else [*ports, "--no-secure-serving"]
+
+    def envoy_config(self) -> EnvoyConfig:
+        """The gateway: Envoy on the entry port, asking every picker (round robin), sending
+        each request to the engines the answer names, the next one on a retry."""
+        gateway = self.config.gateway
+        assert gateway is not None and self.envoy_admin_port is not None
+        body: BodyMode = "FULL_DUPLEX_STREAMED" if gateway.response_body else "NONE"
+        ext_proc = ExtProc(
+            epps=tuple(f"127.0.0.1:{port}" for port in self.grpc_ports),
+            tls=gateway.tls,
+            failure_mode_allow=gateway.fail_open,
+            request_body_mode="BUFFERED" if gateway.buffered else "FULL_DUPLEX_STREAMED",
+            request_trailer_mode="SKIP" if gateway.buffered else "SEND",
+            response_body_mode=body,
+            response_trailer_mode="SEND" if gateway.response_body else "SKIP",
+        )
+        return EnvoyConfig(
+            port=self.haproxy_port,
+            admin_port=self.envoy_admin_port,
+            upstream=Upstream.OVERRIDE_HOST,
+            engines=tuple(url.removeprefix("http://") for url in self.replica_urls),
+            ext_proc=ext_proc,
+        )
+
+    def _envoy(self) -> ProcessSpec:
+        try:
+            path = self.envoy_config().write(self.workdir / "envoy.json")
+            argv = envoy_argv(path)
+        except EnvoyError as exc:
+            raise StackError(str(exc)) from None
+        return ProcessSpec("envoy", argv, f"http://127.0.0.1:{self.envoy_admin_port}/ready")
 
     def _replicas(self, name: str, first: int, count: int, flags: list[str]) -> ProcessSpec:
         cfg = self.config

@@ -82,9 +82,10 @@ class LocalStack:
         return self.processes.stop(timeout_s)
 
     def _wait_assembled(self, timeout_s: float) -> None:
+        layout = self.layout
         checks: list[tuple[str, str, Callable[[dict[str, Any]], int]]] = [
-            (f"router-{i}", f"{url}/health", _routed_replicas)
-            for i, url in enumerate(self.layout.router_urls)
+            (name, f"{url}/health", _routed_replicas)
+            for name, url in zip(layout.router_names, layout.router_urls, strict=True)
         ]
         if "tracker" in self.processes.names():
             checks.append(
