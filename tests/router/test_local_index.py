@@ -49,7 +49,7 @@ async def test_each_router_indexes_the_events_and_sees_the_others_load(redis_url
         httpx.AsyncClient(base_url=base_url(a), timeout=20) as ca,
         httpx.AsyncClient(base_url=base_url(b), timeout=20) as cb,
     ):
-        assert isinstance(a.index, MemoryIndex) and isinstance(b.index, MemoryIndex)
+        assert isinstance(a.backing.index, MemoryIndex) and isinstance(b.backing.index, MemoryIndex)
         # a prefix routed by a is found by b in its own index, exactly as the engine has it
         home, predicted, cached = await _cached(ca, SYSTEM, "one")
         assert predicted == cached == 0
