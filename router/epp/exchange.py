@@ -123,8 +123,6 @@ class Exchange:
 
     async def _request_body(self, message: ProcessingRequest) -> list[ProcessingResponse]:
         chunk = message.request_body
-        if self.pick is not None:  # after the pick (trailers seen first): pass it on
-            return [messages.proceed("request_body")]
         self.body += chunk.body
         if len(self.body) > self.max_body_bytes:
             raise PayloadTooLargeError(body_limit_message(self.max_body_bytes))
