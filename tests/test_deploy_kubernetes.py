@@ -127,7 +127,9 @@ def container_env(mode: str, container: Resource) -> dict[str, str]:
             continue
         source = var["valueFrom"]
         if "fieldRef" in source:
-            env[var["name"]] = POD[source["fieldRef"]["fieldPath"]]
+            path = source["fieldRef"]["fieldPath"]
+            assert path in POD, f"{var['name']}: this test gives pods no {path}"
+            env[var["name"]] = POD[path]
         elif "configMapKeyRef" in source:
             env[var["name"]] = lookup(mode, "ConfigMap", source["configMapKeyRef"])
         else:
@@ -336,10 +338,34 @@ def test_gateway_resources_match_their_crds(kind: str) -> None:
 # --------------------------------------------------------------------- kvrouter's commands
 
 
-@pytest.mark.parametrize("name", [p.name for p in kvrouter_pods()])
-def test_every_kvrouter_command_parses_with_the_real_parser(name: str) -> None:
+KVROUTER_DEPLOYMENTS = sorted(
+    {
+        d["metadata"]["name"]
+        for mode in MODES
+        for d in of_kind(mode, "Deployment").values()
+        if d["spec"]["template"]["spec"]["containers"][0]["image"] == KVROUTER_IMAGE
+    }
+)
+
+
+def kvrouter_pod(name: str) -> Pod:
     (p,) = (p for p in kvrouter_pods() if p.name == name)
+    return p
+
+
+@pytest.mark.parametrize("name", KVROUTER_DEPLOYMENTS)
+def test_kvrouter_environment_is_the_commands_own(name: str) -> None:
+    # KVROUTER_<COMMAND>_<SETTING>: another command's variable would be ignored silently
+    p = kvrouter_pod(name)
     assert "command" not in p.container  # the image's entrypoint is `kvrouter`
+    prefix = f"KVROUTER_{p.argv[0].upper()}_"
+    strays = [v for v in p.env if v.startswith("KVROUTER_") and not v.startswith(prefix)]
+    assert not strays, f"{name} runs `kvrouter {p.argv[0]}`, which reads no {strays}"
+
+
+@pytest.mark.parametrize("name", KVROUTER_DEPLOYMENTS)
+def test_every_kvrouter_command_parses_with_the_real_parser(name: str) -> None:
+    p = kvrouter_pod(name)
     result = parse(p)
     settings_names = {result.command.settings.env_name(f) for f in vars(result.settings)}
     unknown = {v for v in p.env if v.startswith("KVROUTER_") and v not in settings_names}
@@ -348,8 +374,7 @@ def test_every_kvrouter_command_parses_with_the_real_parser(name: str) -> None:
 
 def test_kvrouter_pods_run_the_compose_files_image() -> None:
     assert KVROUTER_IMAGE == "kvrouter:local"
-    kvrouter = {p.name for p in kvrouter_pods()}
-    assert kvrouter == {"kvrouter-tracker", "kvrouter-epp", "kvrouter-router"}
+    assert set(KVROUTER_DEPLOYMENTS) == {"kvrouter-tracker", "kvrouter-epp", "kvrouter-router"}
     # the vLLM image is the one vllm.Dockerfile says to build
     dockerfile = (KUBE_DIR / "vllm.Dockerfile").read_text()
     p, _ = vllm()
@@ -369,14 +394,12 @@ def test_every_redis_url_points_at_the_redis_service() -> None:
     for mode in MODES:
         host, port = redis_service_address(mode)
         for p in pods(mode):
-            urls = [
-                v for k, v in p.env.items() if k.startswith("KVROUTER_") and k.endswith("_REDIS")
-            ]
             if p.name.endswith("redis"):
-                assert not urls
                 continue
-            assert len(urls) == 1, f"{p.name}: {urls}"
-            url = urlsplit(urls[0])
+            # the vLLM plugin reads the attach settings, the others their own command's
+            part = "ATTACH" if p.name == "vllm" else p.argv[0].upper()
+            assert f"KVROUTER_{part}_REDIS" in p.env, p.name
+            url = urlsplit(p.env[f"KVROUTER_{part}_REDIS"])
             assert (url.scheme, url.hostname, url.port or REDIS_PORT) == ("redis", host, port)
 
 
