@@ -382,6 +382,21 @@ def test_kvrouter_pods_run_the_compose_files_image() -> None:
     assert re.search(r"^RUN python3 -m pip install .*/tmp/kvrouter", dockerfile, re.M)
 
 
+def copied_sources(dockerfile: Path) -> set[str]:
+    """What the Dockerfile's COPY lines take from the build context."""
+    out: set[str] = set()
+    for line in dockerfile.read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):
+            out |= {w.rstrip("/") for w in words[1:-1]}
+    return out
+
+
+def test_the_vllm_image_installs_what_the_kvrouter_image_does() -> None:
+    # the plugin's entry point and its imports come from the same packages
+    assert copied_sources(KUBE_DIR / "vllm.Dockerfile") == copied_sources(ROOT / "Dockerfile")
+
+
 def test_kvrouter_services_listen_beyond_their_own_loopback() -> None:
     for p in kvrouter_pods():
         host_flag = "http-host" if p.argv[0] == "tracker" else "host"
