@@ -363,7 +363,9 @@ class EppSettings(RouterSettings):
     port: int = setting(9090, "HTTP port of /metrics, /health, /index, /replicas (0: any)")
     grpc_port: int = setting(9002, "ext_proc gRPC port the gateway sends requests to (0: any)")
     health_port: int = setting(
-        9003, "grpc.health.v1 port: liveness, readiness, the ext_proc service (0: any)"
+        9003,
+        "grpc.health.v1 port, plaintext for the kubelet's probes: liveness, readiness, the "
+        "ext_proc service (0: any)",
     )
     secure_serving: bool = setting(
         True,

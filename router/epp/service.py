@@ -1,7 +1,8 @@
 """EppService: one endpoint-picker process — the router's parts behind ext_proc gRPC.
 
-Three ports: ext_proc (``--grpc-port``, also answering ``grpc.health.v1``), gRPC health
-(``--health-port``: ``liveness``, ``readiness`` and the ext_proc service), and HTTP
+Three ports: ext_proc (``--grpc-port``, TLS unless ``--no-secure-serving``, also answering
+``grpc.health.v1``), gRPC health (``--health-port``, plaintext as the kubelet's gRPC probes
+need: ``liveness``, ``readiness`` and the ext_proc service), and HTTP
 (``--port``: ``/metrics``, ``/health``, ``/index``, ``/replicas``). Every replica is active:
 they share the index and the load through Redis. Shutdown: health says NOT_SERVING, new
 streams are refused, streams in flight get ``shutdown_timeout_s`` to end.
@@ -130,12 +131,15 @@ class EppService:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, probes)
         self._servers = [ext_proc, probes]
         ports = []
-        for server, port in ((ext_proc, settings.grpc_port), (probes, settings.health_port)):
+        for server, port, tls in (
+            (ext_proc, settings.grpc_port, credentials),
+            (probes, settings.health_port, None),  # the kubelet's gRPC probes speak no TLS
+        ):
             address = _address(settings.host, port)
             bound = (
                 server.add_insecure_port(address)
-                if credentials is None
-                else server.add_secure_port(address, credentials)
+                if tls is None
+                else server.add_secure_port(address, tls)
             )
             if not bound:
                 raise OSError(f"cannot listen on {address}")

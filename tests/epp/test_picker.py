@@ -298,8 +298,9 @@ async def test_requests_are_shed_with_429_when_every_replica_is_full() -> None:
 
 
 async def test_health_says_serving_for_every_service_until_it_stops() -> None:
+    # the health port speaks plaintext (the kubelet's gRPC probes) beside a TLS ext_proc port
     async with engines(2) as fleet:
-        service = EppService(epp_settings(fleet))
+        service = EppService(epp_settings(fleet, secure_serving=True))
         await service.start()
         assert service.health_port is not None
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.health_port}")
