@@ -37,6 +37,9 @@ DESTINATION_HEADER: Final = "x-gateway-destination-endpoint"
 SERVED_KEY: Final = "x-gateway-destination-endpoint-served"
 """``envoy.lb`` metadata key of the endpoint that served the request (after retries)."""
 LB_NAMESPACE: Final = "envoy.lb"
+SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
+SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
+"""``SUBSET_NAMESPACE`` metadata key of the endpoints a picker may choose among."""
 EXT_PROC_FILTER: Final = "envoy.filters.http.ext_proc"
 SERVED_ATTRIBUTE: Final = "upstream.address"
 """The ext_proc response attribute naming the upstream that answered (any cluster type)."""
@@ -49,6 +52,14 @@ SendMode = Literal["SEND", "SKIP"]
 OverrideSource = Literal["header", "metadata"]
 
 _TYPES: Final = "type.googleapis.com/envoy."
+EXT_PROC_SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
+"""The gRPC health service a picker answers for its ext_proc port (Envoy checks it)."""
+_PREVIOUS_HOSTS: Final = {
+    "name": "envoy.retry_host_predicates.previous_hosts",
+    "typed_config": {
+        "@type": f"{_TYPES}extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+    },
+}
 
 
 class EnvoyError(RuntimeError):
@@ -86,6 +97,19 @@ class ExtProc:
         the picker's status (runtime ``envoy.reloadable_features.ext_proc_graceful_grpc_close``)
         instead of its default, a half-close at once followed by a reset, which a picker sees
         as the end of the requests or as a cancellation, whichever reaches it first.
+    :param health_check_interval_s: Envoy checks each picker's gRPC health (the ext_proc
+        service's name, on its ext_proc port) this often and stops asking one that fails a
+        check or cannot be reached; 0: no checks (a picker without ``grpc.health.v1``).
+        Without them the picker cluster's round robin keeps handing a dead picker its share
+        of the requests, each a 5xx (FailClose) but for ``grpc_retries``.
+    :param subset_hint_header: a filter before ext_proc copies this request header (a
+        comma-separated ``ip:port`` list) into the subset hint, ``envoy.lb.subset_hint`` /
+        ``x-gateway-destination-endpoint-subset`` metadata, which is forwarded to the picker:
+        how a gateway restricts a pick (GIE); None: no such filter.
+    :param grpc_retries: a stream to a picker that cannot be reached (connection refused, or
+        reset or UNAVAILABLE before the picker's first answer) is opened again on another
+        picker this many times, so requests do not fail in the moment before a health check
+        notices a dead picker.
     """
 
     epps: tuple[str, ...]
@@ -100,6 +124,9 @@ class ExtProc:
     message_timeout_s: float = 300.0
     grpc_timeout_s: float = 10.0
     graceful_close: bool = False
+    health_check_interval_s: float = 0.0
+    grpc_retries: int = 1
+    subset_hint_header: str | None = None
 
     def __post_init__(self) -> None:
         if not self.epps:
@@ -161,6 +188,8 @@ class EnvoyConfig:
         clusters = [self._engines_cluster()]
         http_filters = []
         if self.ext_proc is not None:
+            if self.ext_proc.subset_hint_header is not None:
+                http_filters.append(_subset_hint_filter(self.ext_proc.subset_hint_header))
             http_filters.append(_ext_proc_filter(self.ext_proc))
             clusters.append(_epp_cluster(self.ext_proc))
         http_filters.append(
@@ -307,6 +336,17 @@ def _ext_proc_filter(ext_proc: ExtProc) -> dict[str, Any]:
             "grpc_service": {
                 "envoy_grpc": {"cluster_name": EPP_CLUSTER},
                 "timeout": _duration(ext_proc.grpc_timeout_s),
+                **(
+                    {
+                        "retry_policy": {
+                            "retry_on": "connect-failure,reset,refused-stream,unavailable",
+                            "num_retries": ext_proc.grpc_retries,
+                            "retry_host_predicate": [_PREVIOUS_HOSTS],
+                        }
+                    }
+                    if ext_proc.grpc_retries
+                    else {}
+                ),
             },
             "failure_mode_allow": ext_proc.failure_mode_allow,
             "message_timeout": _duration(ext_proc.message_timeout_s),
@@ -323,10 +363,21 @@ def _ext_proc_filter(ext_proc: ExtProc) -> dict[str, Any]:
                 # (override_host may read it there); the envoy.lb metadata of the request,
                 # which by the response side holds the endpoint that served, goes to the picker
                 "receiving_namespaces": {"untyped": [LB_NAMESPACE]},
-                "forwarding_namespaces": {"untyped": [LB_NAMESPACE]},
+                "forwarding_namespaces": {"untyped": [LB_NAMESPACE, SUBSET_NAMESPACE]},
             },
             # the upstream that answered, whatever the cluster (ORIGINAL_DST sets no metadata)
             "response_attributes": [SERVED_ATTRIBUTE],
+        },
+    }
+
+
+def _subset_hint_filter(header: str) -> dict[str, Any]:
+    rule = {"metadata_namespace": SUBSET_NAMESPACE, "key": SUBSET_KEY, "type": "STRING"}
+    return {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": f"{_TYPES}extensions.filters.http.header_to_metadata.v3.Config",
+            "request_rules": [{"header": header, "on_header_present": rule, "remove": True}],
         },
     }
 
@@ -355,6 +406,21 @@ def _epp_cluster(ext_proc: ExtProc) -> dict[str, Any]:
         },
         "load_assignment": _assignment(EPP_CLUSTER, ext_proc.epps),
     }
+    if ext_proc.health_check_interval_s > 0:
+        interval = _duration(ext_proc.health_check_interval_s)
+        cluster["health_checks"] = [
+            {
+                "timeout": "1s",
+                "interval": interval,
+                "no_traffic_interval": interval,
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+            }
+        ]
+        # no panic mode: with every picker down, fail (or skip them, FailOpen) at once rather
+        # than ask the dead ones anyway
+        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
     if ext_proc.tls:
         cluster["transport_socket"] = {
             "name": "envoy.transport_sockets.tls",

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.stack.config import StackConfig
+from bench.stack.config import Gateway, StackConfig
 from bench.stack.envoy import BodyMode, EnvoyConfig, EnvoyError, ExtProc, Upstream, envoy_argv
 from bench.stack.ports import free_ports
 from bench.stack.processes import ProcessSpec, StackError
@@ -213,10 +213,14 @@ class StackLayout:
         ports = ["--grpc-port", str(self.grpc_ports[i]), "--health-port", str(self.health_ports[i])]
         return ports if gateway.tls else [*ports, "--no-secure-serving"]
 
-    def envoy_config(self) -> EnvoyConfig:
+    def envoy_config(self, gateway: Gateway | None = None) -> EnvoyConfig:
         """The gateway: Envoy on the entry port, asking every picker (round robin), sending
-        each request to the engines the answer names, the next one on a retry."""
-        gateway = self.config.gateway
+        each request to the engines the answer names, the next one on a retry.
+
+        :param gateway: another gateway's options in front of the same pickers and engines
+            (a second Envoy, on other ports, to compare modes); None: the stack's.
+        """
+        gateway = gateway or self.config.gateway
         assert gateway is not None and self.envoy_admin_port is not None
         body: BodyMode = "FULL_DUPLEX_STREAMED" if gateway.response_body else "NONE"
         ext_proc = ExtProc(
@@ -227,6 +231,9 @@ class StackLayout:
             request_trailer_mode="SKIP" if gateway.buffered else "SEND",
             response_body_mode=body,
             response_trailer_mode="SEND" if gateway.response_body else "SKIP",
+            # a killed picker is out of the round robin within a second (kvrouter epp answers
+            # grpc.health.v1 for the ext_proc service on its ext_proc port)
+            health_check_interval_s=1.0,
         )
         return EnvoyConfig(
             port=self.haproxy_port,

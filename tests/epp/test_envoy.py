@@ -114,6 +114,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
             graceful_close=True,
         ),
     },
+    "ext_proc_subset_hint_health_checked": {
+        "ext_proc": ExtProc(
+            epps=("127.0.0.1:9002",),
+            subset_hint_header="x-subset",
+            health_check_interval_s=0.5,
+            grpc_retries=0,
+        ),
+    },
     "ext_proc_response_streamed": {
         "ext_proc": ExtProc(
             epps=("127.0.0.1:9002",),
