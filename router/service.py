@@ -27,6 +27,7 @@ from tracker.framework.lifecycle import (
     run_on_loop,
     run_until_signalled,
     running_loop_name,
+    serve_until,
 )
 
 logger = logging.getLogger(__name__)
@@ -131,11 +132,7 @@ class RouterService:
         if self._http is None:
             await self.start()
         assert self._http is not None
-        serving = self._http.task
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait({stopping, serving}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        failed = serving.done() and not self._stopping.is_set()
+        failed = await serve_until(self._stopping, self._http.task)
         await self.stop()
         return 1 if failed else 0
 

@@ -18,7 +18,6 @@ and the upstream cluster sends the request there. Two such clusters:
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import shutil
 import signal
@@ -32,17 +31,18 @@ from enum import StrEnum
 from pathlib import Path
 from typing import IO, Any, Final, Literal
 
-DESTINATION_HEADER: Final = "x-gateway-destination-endpoint"
-"""Request header (and ``envoy.lb`` metadata key) naming the picked endpoints, in order."""
-SERVED_KEY: Final = "x-gateway-destination-endpoint-served"
-"""``envoy.lb`` metadata key of the endpoint that served the request (after retries)."""
-LB_NAMESPACE: Final = "envoy.lb"
-SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
-SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
-"""``SUBSET_NAMESPACE`` metadata key of the endpoints a picker may choose among."""
-EXT_PROC_FILTER: Final = "envoy.filters.http.ext_proc"
-SERVED_ATTRIBUTE: Final = "upstream.address"
-"""The ext_proc response attribute naming the upstream that answered (any cluster type)."""
+# the protocol's names, as the picker reads and writes them (router/epp/messages.py): the
+# request header and envoy.lb metadata key naming the picked endpoints in order, the envoy.lb
+# key of the endpoint that served (after retries), the subset hint's namespace and key, the
+# filter's name and the response attribute naming the upstream that answered (any cluster)
+from router.epp.endpoints import is_ip
+from router.epp.messages import DESTINATION as DESTINATION_HEADER
+from router.epp.messages import EXT_PROC_ATTRIBUTES as EXT_PROC_FILTER
+from router.epp.messages import LB_NAMESPACE, SUBSET_NAMESPACE
+from router.epp.messages import SERVED as SERVED_KEY
+from router.epp.messages import SUBSET as SUBSET_KEY
+from router.epp.messages import UPSTREAM_ADDRESS as SERVED_ATTRIBUTE
+
 GRACEFUL_CLOSE: Final = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
 EPP_CLUSTER: Final = "epp"
 ENGINES_CLUSTER: Final = "engines"
@@ -383,7 +383,7 @@ def _subset_hint_filter(header: str) -> dict[str, Any]:
 
 
 def _epp_cluster(ext_proc: ExtProc) -> dict[str, Any]:
-    ips = all(_is_ip(_split_address(epp)[0]) for epp in ext_proc.epps)
+    ips = all(is_ip(_split_address(epp)[0]) for epp in ext_proc.epps)
     cluster: dict[str, Any] = {
         "name": EPP_CLUSTER,
         "type": "STATIC" if ips else "STRICT_DNS",
@@ -438,14 +438,6 @@ def _split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"not host:port: {address!r}")
     return host.strip("[]"), int(port)
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _socket(host: str, port: int) -> dict[str, Any]:

@@ -49,7 +49,7 @@ class Endpoints:
     def address(self, replica: Replica) -> str:
         address = address_of(replica.url)
         host = address.rpartition(":")[0].strip("[]")
-        if replica.id not in self._warned and not _is_ip(host):
+        if replica.id not in self._warned and not is_ip(host):
             self._warned.add(replica.id)
             logger.warning(
                 "a replica's URL names a host, not an IP: gateways route to IP addresses "
@@ -75,7 +75,8 @@ class Endpoints:
         return frozenset(ids)
 
 
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
+    """Whether ``host`` is an IPv4 or IPv6 address (not a name)."""
     try:
         ipaddress.ip_address(host)
     except ValueError:

@@ -31,7 +31,7 @@ from router.http.auth import KeyCheck, load_keys
 from router.router import Router
 from router.shared.redis_load import new_router_id
 from tracker.framework.http import HTTPServer, bind
-from tracker.framework.lifecycle import run_on_loop, run_until_signalled
+from tracker.framework.lifecycle import run_on_loop, run_until_signalled, serve_until
 
 logger = logging.getLogger(__name__)
 
@@ -158,10 +158,7 @@ class EppService:
         if not self._servers:
             await self.start()
         assert self._http is not None
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait({stopping, self._http.task}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        failed = self._http.task.done() and not self._stopping.is_set()
+        failed = await serve_until(self._stopping, self._http.task)
         await self.stop()
         return 1 if failed else 0
 

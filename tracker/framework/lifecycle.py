@@ -77,6 +77,15 @@ async def finish_or_cancel(
     return len(done), len(pending)
 
 
+async def serve_until(stopping: asyncio.Event, serving: asyncio.Task[None]) -> bool:
+    """Wait until a stop is requested (``stopping`` set) or the server ends on its own;
+    True in the second case, which is a failure."""
+    stop = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait({stop, serving}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    return serving.done() and not stopping.is_set()
+
+
 async def run_until_signalled(
     service: Service, *, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 ) -> int:
