@@ -176,8 +176,11 @@ class EppService:
         logger.info("endpoint picker stopped", extra={"drained": streams - left, "cut": left})
 
     async def _close(self) -> None:
+        # the ext_proc streams drain first, the probes seeing NOT_SERVING until they are done;
+        # then the health server stops at once (a Watch of it would hold any grace to its end)
         grace = self.settings.shutdown_timeout_s
-        await asyncio.gather(*(server.stop(grace) for server in self._servers))
+        for server, seconds in zip(self._servers, (grace, 0.0), strict=False):
+            await server.stop(seconds)
         self._servers = []
         if self._http is not None:
             await self._http.stop()

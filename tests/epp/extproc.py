@@ -8,6 +8,7 @@ response's) over a real gRPC stream and reads the picker's answers; the Envoy te
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -170,3 +171,8 @@ class Gateway:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def server_certificate(port: int) -> bytes:
+    """The certificate a TLS server on ``port`` presents (PEM), unverified."""
+    return ssl.get_server_certificate(("127.0.0.1", port)).encode()
