@@ -23,6 +23,7 @@ from bench.matrix.verdicts import verdict
 from bench.stack.config import VllmEngines
 from bench.stack.demo import DemoSettings
 from bench.stack.demo import run as demo
+from bench.stack.envoy import MISSING, envoy_binary
 from tracker.framework.errors import ConfigError
 
 pytestmark = [
@@ -54,6 +55,29 @@ def test_quick_bench_compares_round_robin_and_kvrouter(tmp_path: Path) -> None:
     assert kv["hit_rate"] > rr["hit_rate"]
     assert kv["vs_round_robin"]["ttft_p50"] > 0
     assert plot.stat().st_size > 0 and (tmp_path / "quick-bars.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(envoy_binary() is None, reason=MISSING)
+def test_bench_gateway_runs_the_routers_as_endpoint_pickers_behind_envoy(tmp_path: Path) -> None:
+    """``kvrouter bench --gateway``: the in-router arms restarted per policy as ``epp-*``
+    processes behind Envoy; the peers, proxies, skipped; the answers carry the pickers'
+    receipts (engine, decision time) as the proxy's do."""
+    out = tmp_path / "gateway.json"
+    tiny = {"quick": True, "replicas": 2, "groups": 2, "prompts_per_group": 4, "time_scale": 1.0}
+    settings = BenchSettings(
+        **tiny, routers=2, gateway=True, policies="round-robin,kvrouter,smg", json=str(out)
+    )
+    assert run(settings) == 0
+    doc = json.loads(out.read_text())
+    assert doc["fleet"]["gateway"] is not None and doc["fleet"]["routers"] == 2
+    assert list(doc["policies"]) == ["round-robin", "kvrouter"]
+    for summary in doc["policies"].values():
+        assert summary["requests"] == 8 and summary["errors"] == 0
+        assert sum(summary["per_replica"].values()) == 8
+    rr, kv = doc["policies"]["round-robin"], doc["policies"]["kvrouter"]
+    assert kv["hit_rate"] > rr["hit_rate"] and kv["decision_ms"]["p50"] > 0
+    cell = next(c for c in MatrixSettings(axes="routers", gateway=True).cells())
+    assert cell.settings["gateway"] and cell.digest != next(iter(MatrixSettings().cells())).digest
 
 
 def test_a_matrix_cell_of_two_seeds_pools_both_passes(tmp_path: Path) -> None:
