@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -14,10 +15,10 @@ from typing import Final
 from bench.capacity import capacity, measure_shape
 from bench.fleet import FleetConfig
 from bench.harness import POLICIES, Harness
-from bench.peers import INSTALL_HINT, missing
+from bench.peers import INSTALL_HINT, PEERS, missing
 from bench.plan import Plan
 from bench.plots import require_matplotlib
-from bench.stack.config import VllmEngines
+from bench.stack.config import Gateway, VllmEngines
 from bench.workloads import (
     WORKLOADS,
     Workload,
@@ -102,6 +103,11 @@ class BenchSettings(LogSettings):
     embedded: bool = setting(False, "one router with its in-process tracker, no Redis")
     local_index: bool = setting(
         False, "each router keeps its own index from the engines' events; Redis shares the load"
+    )
+    gateway: bool = setting(
+        False,
+        "the routers run as endpoint pickers (kvrouter epp) behind a real Envoy instead of "
+        "haproxy; the real peers, proxies that cannot be asked, are skipped",
     )
     time_scale: float | None = setting(
         None,
@@ -262,6 +268,7 @@ def plan(settings: BenchSettings) -> Plan:
         restart_engine_at_s=settings.restart_engine_at_s,
         seed=settings.seed,
         vllm=vllm,
+        gateway=Gateway() if settings.gateway else None,
     )
     workload = build_workload(settings)
     shape = measure_shape(workload, fleet.block_size, tokenizer)
@@ -282,23 +289,38 @@ def plan(settings: BenchSettings) -> Plan:
     return Plan(workload, fleet, settings.policy_list, shape, cap, rate, load)
 
 
+def runnable(chosen: Plan, stage: Callable[[str], None]) -> Plan:
+    """``chosen`` without the arms that cannot run, each skip said through ``stage``: the
+    peers not installed, and behind a gateway every peer (a proxy: Envoy asks only pickers)."""
+    skipped: set[str] = set()
+    if chosen.fleet.gateway is not None:
+        peers = [p for p in chosen.policies if p in PEERS]
+        if peers:
+            stage(
+                f"skipping {', '.join(peers)}: a peer is a proxy, not an endpoint picker, so "
+                "the gateway cannot ask it"
+            )
+            skipped.update(peers)
+    absent = {k: v for k, v in missing(chosen.policies).items() if k not in skipped}
+    if absent:
+        packages = ", ".join(sorted(set(absent.values())))
+        stage(f"skipping {', '.join(absent)}: {packages} not installed ({INSTALL_HINT})")
+        skipped.update(absent)
+    return dataclasses.replace(
+        chosen, policies=tuple(p for p in chosen.policies if p not in skipped)
+    )
+
+
 def run(settings: BenchSettings) -> int:
     from bench.console import Console  # rich only when the command runs
 
     if settings.plot:
         require_matplotlib("--plot")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    chosen = plan(settings)
     console = Console()
-    absent = missing(chosen.policies)
-    if absent:
-        packages = ", ".join(sorted(set(absent.values())))
-        console.stage(f"skipping {', '.join(absent)}: {packages} not installed ({INSTALL_HINT})")
-        chosen = dataclasses.replace(
-            chosen, policies=tuple(p for p in chosen.policies if p not in absent)
-        )
-        if not chosen.policies:
-            return 1
+    chosen = runnable(plan(settings), console.stage)
+    if not chosen.policies:
+        return 1
     console.plan(chosen)
     runs = Harness(chosen.fleet, chosen.workload, chosen.policies, console).run()
     return console.finish(

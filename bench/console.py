@@ -57,6 +57,8 @@ class Console(Hooks):
             f"[bold]workload[/] {chosen.workload.describe()}: {chosen.workload.requests} requests"
         )
         routers = "embedded router" if not fleet.redis else f"{fleet.routers} router(s) + Redis"
+        if fleet.gateway is not None:
+            routers = routers.replace("router", "endpoint picker") + " behind Envoy"
         blocks = f"{fleet.num_blocks} x {fleet.block_size}-token KV blocks each"
         if fleet.vllm is not None:
             engines = (

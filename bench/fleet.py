@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bench.stack.config import StackConfig, VllmEngines
+from bench.stack.config import Gateway, StackConfig, VllmEngines
 from publishers.config import EngineShape, shape_fields
 from publishers.sim.latency import LatencyProfile, load_profile
 from router.decide.policy_types import PolicyConfig, SpeedEstimate
@@ -60,6 +60,8 @@ class FleetConfig(EngineShape):
     seed: int = 1
     # real vLLM engines instead of simulated ones (served as "default"; time scale 1)
     vllm: VllmEngines | None = None
+    # the routers run as endpoint pickers (kvrouter epp) behind a real Envoy, not haproxy
+    gateway: Gateway | None = None
 
     def prefill_seed_args(self) -> tuple[str, ...]:
         """The routers' engine-time constants for these engines, as a deployment seeds its own
@@ -95,6 +97,7 @@ class FleetConfig(EngineShape):
             routers=self.routers if self.redis else 1,
             redis=self.redis,
             haproxy=self.redis and self.routers > 1,
+            gateway=self.gateway,
             local_index=self.local_index,
             router_args=(*BENCH_ROUTER_ARGS, *self.prefill_seed_args(), *self.router_args),
             # vllm-router replays only from the 4-frame layout (kvrouter reads both)

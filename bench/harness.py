@@ -88,6 +88,8 @@ class Harness:
         unknown = [p for p in policies if p not in POLICIES]
         if unknown:
             raise ValueError(f"unknown policies {unknown}; known: {list(POLICIES)}")
+        if fleet.gateway is not None and any(p in PEERS for p in policies):
+            raise ValueError("a peer is a proxy: behind a gateway only pickers can be asked")
         self.fleet = fleet
         self.workload = workload
         self.policies = policies
@@ -167,7 +169,9 @@ class Harness:
     # ------------------------------------------------------------------ steps
 
     def _routers(self) -> list[str]:
-        return [name for name in self.stack.processes.names() if name.startswith("router-")]
+        """The routers' processes (endpoint pickers behind a gateway) the stack runs."""
+        running = set(self.stack.processes.names())
+        return [name for name in self.stack.layout.router_names if name in running]
 
     def _switch(self, policy: str) -> None:
         for name in self._peers:
@@ -254,6 +258,12 @@ class Harness:
             while True:
                 if self._peers:  # their readiness was checked at start; haproxy must see them
                     ready = [await self._answers(client, url) for url in urls]
+                    entry = want if await self._answers(client, self.stack.layout.entry_url) else -1
+                elif self.fleet.gateway is not None:
+                    # through Envoy every path reaches an engine (the picker picks one on
+                    # load): the pickers say on their own ports what they route to, and a
+                    # GET through Envoy says that it reaches a picker again
+                    ready = [await self._healthy(client, url) >= want for url in urls]
                     entry = want if await self._answers(client, self.stack.layout.entry_url) else -1
                 else:
                     ready = [await self._healthy(client, url) >= want for url in urls]

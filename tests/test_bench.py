@@ -16,13 +16,14 @@ import pytest
 
 from bench.commands import QUICK, BenchSettings, plan, run
 from bench.fleet import FleetConfig
-from bench.matrix.cells import Cell
+from bench.matrix.cells import Cell, cells
 from bench.matrix.commands import MatrixSettings, run_cell
 from bench.matrix.report import full_tables
 from bench.matrix.verdicts import verdict
 from bench.stack.config import VllmEngines
 from bench.stack.demo import DemoSettings
 from bench.stack.demo import run as demo
+from bench.stack.envoy import MISSING, envoy_binary
 from tracker.framework.errors import ConfigError
 
 pytestmark = [
@@ -54,6 +55,34 @@ def test_quick_bench_compares_round_robin_and_kvrouter(tmp_path: Path) -> None:
     assert kv["hit_rate"] > rr["hit_rate"]
     assert kv["vs_round_robin"]["ttft_p50"] > 0
     assert plot.stat().st_size > 0 and (tmp_path / "quick-bars.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(envoy_binary() is None, reason=MISSING)
+def test_bench_gateway_runs_the_routers_as_endpoint_pickers_behind_envoy(tmp_path: Path) -> None:
+    """``kvrouter bench --gateway``: the in-router arms restarted per policy as ``epp-*``
+    processes behind Envoy; the peers, proxies, skipped; the answers carry the pickers'
+    receipts (engine, decision time) as the proxy's do."""
+    out = tmp_path / "gateway.json"
+    tiny = {"quick": True, "replicas": 2, "groups": 2, "prompts_per_group": 4, "time_scale": 1.0}
+    settings = BenchSettings(
+        **tiny, routers=2, gateway=True, policies="round-robin,kvrouter,smg", json=str(out)
+    )
+    assert run(settings) == 0
+    doc = json.loads(out.read_text())
+    assert doc["fleet"]["gateway"] is not None and doc["fleet"]["routers"] == 2
+    assert list(doc["policies"]) == ["round-robin", "kvrouter"]
+    for summary in doc["policies"].values():
+        assert summary["requests"] == 8 and summary["errors"] == 0
+        assert sum(summary["per_replica"].values()) == 8
+    rr, kv = doc["policies"]["round-robin"], doc["policies"]["kvrouter"]
+    assert kv["hit_rate"] >= rr["hit_rate"]
+    # the pickers were restarted with each --policy: round robin tokenizes nothing
+    assert kv["decision_ms"]["p50"] > rr["decision_ms"]["p50"]
+    # kvrouter matrix --gateway: the same cells, in result files of their own
+    behind = MatrixSettings(axes="routers", gateway=True).cells()[0]
+    proxied = cells(("routers",))[0]
+    assert behind.settings == {**proxied.settings, "gateway": True}
+    assert behind.key != proxied.key
 
 
 def test_a_matrix_cell_of_two_seeds_pools_both_passes(tmp_path: Path) -> None:

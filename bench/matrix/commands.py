@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench.capacity import ttft_floors
-from bench.commands import BenchSettings, plan
+from bench.commands import BenchSettings, plan, runnable
 from bench.harness import POLICIES, Harness, PolicyRun
 from bench.matrix.cells import AXES, Cell, cells
 from bench.matrix.report import full_tables, replace_section, report
 from bench.matrix.verdicts import Verdict, headline, verdict
-from bench.peers import INSTALL_HINT, missing
 from bench.plots import matrix_plots, require_matplotlib
 from bench.report import add_ratios, document
 from bench.summary import concatenate, percentile, summarize
@@ -56,6 +55,11 @@ class MatrixSettings(LogSettings):
     out: str = setting("bench/results/matrix", "directory of the per-cell JSON results")
     force: bool = setting(False, "run cells again even if their result file exists")
     time_scale: float = setting(3.0, "engine time scale of cells that do not set their own")
+    gateway: bool = setting(
+        False,
+        "every cell's routers as endpoint pickers behind a real Envoy (kvrouter bench "
+        "--gateway; the peers are skipped); its results are files of their own",
+    )
     report: bool = setting(False, "only render the tables from existing results")
     results: str | None = setting(
         None, "also rewrite the matrix section (between its markers) of this Markdown file"
@@ -81,6 +85,14 @@ class MatrixSettings(LogSettings):
     def policy_list(self) -> tuple[str, ...]:
         return comma_list(self.policies, str)
 
+    def cells(self) -> list[Cell]:
+        """The cells on the axes asked for; with ``gateway``, each of them behind Envoy (a
+        setting of its own, so its digest and result file differ from the proxy's)."""
+        chosen = cells(self.axis_list)
+        if not self.gateway:
+            return chosen
+        return [dataclasses.replace(c, settings={**c.settings, "gateway": True}) for c in chosen]
+
 
 def bounds(chosen: Any) -> dict[str, Any]:
     """The cell's limits: the ideal hit rate and the analytic TTFT floor's percentiles."""
@@ -96,15 +108,11 @@ def run_cell(cell: Cell, settings: MatrixSettings, path: Path) -> dict[str, Any]
     from bench.console import Console  # rich only when the command runs
 
     values = {"time_scale": settings.time_scale, **cell.settings}
+    if settings.gateway:
+        values["gateway"] = True
     bench = BenchSettings(**values, policies=",".join(settings.policy_list))
-    chosen = plan(bench)
     console = Console()
-    absent = missing(chosen.policies)
-    if absent:
-        console.stage(f"skipping {', '.join(absent)}: not installed ({INSTALL_HINT})")
-        chosen = dataclasses.replace(
-            chosen, policies=tuple(p for p in chosen.policies if p not in absent)
-        )
+    chosen = runnable(plan(bench), console.stage)
     console.stage(f"[{cell.axis}] {cell.label}")
     console.plan(chosen)
     seeds = [bench.seed + i for i in range(cell.seeds)]
@@ -164,7 +172,7 @@ def result_path(cell: Cell, directory: Path) -> Path | None:
 
 def load_verdicts(settings: MatrixSettings) -> list[Verdict]:
     out = []
-    for cell in cells(settings.axis_list):
+    for cell in settings.cells():
         path = result_path(cell, Path(settings.out))
         if path is not None:
             out.append(verdict(cell, json.loads(path.read_text())))
@@ -177,7 +185,7 @@ def run(settings: MatrixSettings) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     failed = 0
     if not settings.report:
-        for cell in cells(settings.axis_list):
+        for cell in settings.cells():
             if not settings.force and result_path(cell, Path(settings.out)) is not None:
                 continue
             doc = run_cell(cell, settings, Path(settings.out) / f"{cell.key}.json")
