@@ -99,7 +99,15 @@ class FleetConfig(EngineShape):
             haproxy=self.redis and self.routers > 1,
             gateway=self.gateway,
             local_index=self.local_index,
-            router_args=(*BENCH_ROUTER_ARGS, *self.prefill_seed_args(), *self.router_args),
+            router_args=(
+                *BENCH_ROUTER_ARGS,
+                *self.prefill_seed_args(),
+                # the same random choices run after run: arms and modes compare decision by
+                # decision on the same arrivals
+                "--random-seed",
+                str(self.seed),
+                *self.router_args,
+            ),
             # vllm-router replays only from the 4-frame layout (kvrouter reads both)
             replica_args=("--replay-layout", "topic", *self.replica_args),
             workdir=self.workdir,

@@ -186,6 +186,11 @@ class RouterSettings(ServiceSettings):
     )
     read_timeout_s: float = setting(120.0, "longest wait between two chunks of a stream")
     retries: int = setting(1, "retries on the next-best replica before the first byte")
+    random_seed: int | None = setting(
+        None,
+        "seed of the policy's random choices (near-ties, temperature): a benchmark's paired "
+        "runs then choose alike (default: unseeded)",
+    )
     shed_inflight: int = setting(
         0,
         "shed a request with 429 when every replica that could serve it has this many "

@@ -134,7 +134,7 @@ class Router:
             api_key=settings.upstream_api_key,
         )
         tokenizers = tokenizers or TokenizerBook.load(settings)
-        rng = random.Random()
+        rng = random.Random(settings.random_seed)
         tools = Tools(self.load, self._shared_loads, tokenizers.token_ids, self.upstream)
         self.decider = Decider(
             settings,
