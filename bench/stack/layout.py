@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.stack.config import StackConfig
+from bench.stack.config import Gateway, StackConfig
 from bench.stack.envoy import BodyMode, EnvoyConfig, EnvoyError, ExtProc, Upstream, envoy_argv
 from bench.stack.ports import free_ports
 from bench.stack.processes import ProcessSpec, StackError
@@ -20,6 +21,21 @@ def kvrouter_bin() -> str:
     """The ``kvrouter`` console script of this interpreter's environment."""
     candidate = Path(sys.executable).parent / "kvrouter"
     return str(candidate) if candidate.exists() else "kvrouter"
+
+
+def gateway_ext_proc(gateway: Gateway, epps: Sequence[str]) -> ExtProc:
+    """The ext_proc filter of a :class:`Gateway` asking the pickers at ``epps`` (gRPC
+    ``host:port``), round robin."""
+    body: BodyMode = "FULL_DUPLEX_STREAMED" if gateway.response_body else "NONE"
+    return ExtProc(
+        epps=tuple(epps),
+        tls=gateway.tls,
+        failure_mode_allow=gateway.fail_open,
+        request_body_mode="BUFFERED" if gateway.buffered else "FULL_DUPLEX_STREAMED",
+        request_trailer_mode="SKIP" if gateway.buffered else "SEND",
+        response_body_mode=body,
+        response_trailer_mode="SEND" if gateway.response_body else "SKIP",
+    )
 
 
 class StackLayout:
@@ -218,16 +234,7 @@ class StackLayout:
         each request to the engines the answer names, the next one on a retry."""
         gateway = self.config.gateway
         assert gateway is not None and self.envoy_admin_port is not None
-        body: BodyMode = "FULL_DUPLEX_STREAMED" if gateway.response_body else "NONE"
-        ext_proc = ExtProc(
-            epps=tuple(f"127.0.0.1:{port}" for port in self.grpc_ports),
-            tls=gateway.tls,
-            failure_mode_allow=gateway.fail_open,
-            request_body_mode="BUFFERED" if gateway.buffered else "FULL_DUPLEX_STREAMED",
-            request_trailer_mode="SKIP" if gateway.buffered else "SEND",
-            response_body_mode=body,
-            response_trailer_mode="SEND" if gateway.response_body else "SKIP",
-        )
+        ext_proc = gateway_ext_proc(gateway, [f"127.0.0.1:{port}" for port in self.grpc_ports])
         return EnvoyConfig(
             port=self.haproxy_port,
             admin_port=self.envoy_admin_port,
