@@ -226,8 +226,8 @@ async def drive(
                             into=runs[name],
                         )
                     client_cpu[name] += cpu_seconds(None) - mine
-                    for part, seconds in cpu_of(pids.get(name, {})).items():
-                        cpu[name][part] = cpu[name].get(part, 0.0) + seconds - before[part]
+                    for part, used in cpu_of(pids.get(name, {})).items():
+                        cpu[name][part] = cpu[name].get(part, 0.0) + used - before[part]
             for name, run in runs.items():
                 done = max(1, len(run.ttft))
                 row = {
@@ -243,9 +243,9 @@ async def drive(
                 }
                 if cpu[name]:
                     row["cpu_ms_per_request"] = sum(cpu[name].values()) * 1e3 / done
-                for part, seconds in cpu[name].items():
+                for part, used in cpu[name].items():
                     if part != ROUTER:
-                        row[f"cpu_{part}_ms_per_request"] = seconds * 1e3 / done
+                        row[f"cpu_{part}_ms_per_request"] = used * 1e3 / done
                 report[name][level_name(level, rate=is_rate)] = row
     for name, levels in report.items():
         for key, row in levels.items():
