@@ -18,7 +18,7 @@ import re
 import resource
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import count, pairwise
 from pathlib import Path
@@ -80,6 +80,12 @@ def cpu_seconds(pid: int | None) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / _TICKS
     return total
+
+
+def cpu_of(parts: Mapping[str, Sequence[int]]) -> dict[str, float]:
+    """CPU seconds so far of each part of a target (its processes' trees, summed), e.g. a
+    gateway's pickers and its Envoy."""
+    return {part: sum(map(cpu_seconds, members)) for part, members in parts.items()}
 
 
 def _process_tree(pid: int) -> list[int]:

@@ -11,7 +11,14 @@ chunks, the router's CPU per request, errors. Method and results: docs/benchmark
 
     python -m bench.saturation [--concurrency 1,8,32,128] [--rates 100,200,400,600]
         [--seconds 6] [--rounds 3] [--workers 1,2] [--no-local-index] [--no-embedded]
-        [--peers smg,vllm-kv,vllm-cache] [--json FILE]
+        [--peers smg,vllm-kv,vllm-cache] [--epp 1,2] [--no-epp-headers] [--no-envoy]
+        [--json FILE]
+
+The gateway arms (:mod:`bench.gateway`): ``envoy+epp`` is a real Envoy asking ``kvrouter
+epp`` over ext_proc where each request goes, every response chunk through the picker (Envoy's
+FULL_DUPLEX_STREAMED response body, the stack's default); ``-hdr``, the picker shown only the
+response headers; ``-pN``, N pickers; ``envoy``, Envoy alone (round robin). Their CPU is
+reported per part, the pickers' and Envoy's.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -30,9 +37,18 @@ from typing import Any, Final
 
 import aiohttp
 
-from bench.overhead import EMBEDDED, LOCAL_INDEX, start_kvrouter, start_peers
+from bench.gateway import gateway_arms, start_gateway
+from bench.overhead import EMBEDDED, LOCAL_INDEX, ROUTER, start_kvrouter, start_peers
 from bench.peers import installed, named
-from bench.proxy_load import Bodies, Target, cpu_seconds, fast_engines, one_stream, percentile
+from bench.proxy_load import (
+    Bodies,
+    Target,
+    cpu_of,
+    cpu_seconds,
+    fast_engines,
+    one_stream,
+    percentile,
+)
 from bench.stack.local import LocalStack
 from router.fleet.upstream import KEEPALIVE_EXPIRY_S
 from tracker.framework.cli import parse_argv
@@ -147,9 +163,13 @@ def level_name(level: int | float, *, rate: bool) -> str:
 
 
 async def drive(
-    targets: dict[str, list[str]], pids: dict[str, int | None], plan: Plan
+    targets: dict[str, list[str]], pids: Mapping[str, Mapping[str, Sequence[int]]], plan: Plan
 ) -> dict[str, dict[str, dict[str, float]]]:
     """Every level, every target; rows by target, then by level (as a string).
+
+    ``pids``: a target's processes by part (``router``; a gateway's ``epp`` and ``envoy``),
+    whose CPU is read from /proc: a row's ``cpu_ms_per_request`` sums the parts, and each
+    part other than ``router`` has its own ``cpu_<part>_ms_per_request``.
 
     A level's ``seconds`` per target are cut into ``plan.rounds`` rounds that visit the
     targets in turn, each round starting one target further on: a spell of outside load on
@@ -166,7 +186,7 @@ async def drive(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         for level, is_rate in steps:
             runs = {name: Level() for name in names}
-            cpu = dict.fromkeys(names, 0.0)
+            cpu: dict[str, dict[str, float]] = {name: {} for name in names}
             client_cpu = dict.fromkeys(names, 0.0)
             for round_ in range(plan.rounds):
                 turn = round_ % len(names)
@@ -182,8 +202,7 @@ async def drive(
                             seconds=plan.warmup_s,
                             output_tokens=plan.output_tokens,
                         )
-                    pid = pids.get(name)
-                    before = cpu_seconds(pid) if pid is not None else 0.0
+                    before = cpu_of(pids.get(name, {}))
                     mine = cpu_seconds(None)
                     if is_rate:
                         await open_streams(
@@ -207,8 +226,8 @@ async def drive(
                             into=runs[name],
                         )
                     client_cpu[name] += cpu_seconds(None) - mine
-                    if pid is not None:
-                        cpu[name] += cpu_seconds(pid) - before
+                    for part, used in cpu_of(pids.get(name, {})).items():
+                        cpu[name][part] = cpu[name].get(part, 0.0) + used - before[part]
             for name, run in runs.items():
                 done = max(1, len(run.ttft))
                 row = {
@@ -222,8 +241,11 @@ async def drive(
                     "gap_p99_ms": percentile(run.gaps, 99) * 1e3,
                     "client_cpu_ms_per_request": client_cpu[name] * 1e3 / done,
                 }
-                if pids.get(name) is not None:
-                    row["cpu_ms_per_request"] = cpu[name] * 1e3 / done
+                if cpu[name]:
+                    row["cpu_ms_per_request"] = sum(cpu[name].values()) * 1e3 / done
+                for part, used in cpu[name].items():
+                    if part != ROUTER:
+                        row[f"cpu_{part}_ms_per_request"] = used * 1e3 / done
                 report[name][level_name(level, rate=is_rate)] = row
     for name, levels in report.items():
         for key, row in levels.items():
@@ -254,11 +276,16 @@ def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
                 else f"{'':>10} {'':>8}"
             )
             cpu = f"{row['cpu_ms_per_request']:>8.2f}" if "cpu_ms_per_request" in row else " " * 8
+            parts = " + ".join(
+                f"{key.removeprefix('cpu_').removesuffix('_ms_per_request')} {value:.2f}"
+                for key, value in row.items()
+                if key.startswith("cpu_") and key != "cpu_ms_per_request"
+            )
             lines.append(
                 f"{name:<18} {level:>7} {row['rps']:>7.0f} {row['ttft_p50_ms']:>9.2f} "
                 f"{row['ttft_p95_ms']:>8.2f} {row['ttft_p99_ms']:>8.2f} {added} "
                 f"{row['gap_p99_ms']:>8.2f} {cpu} "
-                f"{int(row['errors']):>6}"
+                f"{int(row['errors']):>6}" + (f"  (CPU: {parts})" if parts else "")
             )
     lines.append("saturation (best req/s): " + ", ".join(
         f"{name} {saturation(levels):.0f}" for name, levels in report.items()
@@ -289,14 +316,27 @@ class SaturationSettings(Settings):
         True, "a kvrouter arm with its own index and the load shared through Redis"
     )
     peers: str = setting("smg,vllm-kv,vllm-cache", "peer arms ('' for none)")
+    epp: str = setting(
+        "1",
+        "Envoy + kvrouter epp arms (Envoy carries the bytes, the pickers share Redis): "
+        "pickers of each ('' for none)",
+    )
+    epp_headers: bool = setting(
+        True, "each Envoy + epp arm again with only the response headers shown to the picker"
+    )
+    epp_tls: bool = setting(True, "Envoy reaches the pickers over TLS, as GIE gateways do")
+    envoy: bool = setting(True, "an arm of Envoy alone (no picker), round robin over the engines")
     router_args: str = setting("", "extra kvrouter router flags")
     json: str | None = setting(None, "write the report here too")
 
     def __post_init__(self) -> None:
         named(self.peers)  # an unknown arm is refused before anything starts
         levels, rates, workers = self.levels, self.rate_levels, self.worker_counts
-        if not (levels or rates) or min(levels, default=1) < 1 or min(workers, default=1) < 1:
-            raise ConfigError("--concurrency and --workers take positive integers")
+        positive = (
+            min(levels, default=1) >= 1 and min((*workers, *self.picker_counts), default=1) >= 1
+        )
+        if not (levels or rates) or not positive:
+            raise ConfigError("--concurrency, --workers and --epp take positive integers")
         if self.rounds < 1 or self.seconds <= 0:
             raise ConfigError("--rounds and --seconds must be positive")
         if rates and not all(0 < r < math.inf for r in rates):
@@ -314,6 +354,10 @@ class SaturationSettings(Settings):
     def worker_counts(self) -> tuple[int, ...]:
         return comma_list(self.workers, int)
 
+    @property
+    def picker_counts(self) -> tuple[int, ...]:
+        return comma_list(self.epp, int)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_argv(
@@ -321,6 +365,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     extra = settings.router_args.split()
     peers = installed(settings.peers)
+    gateways = gateway_arms(
+        settings.picker_counts,
+        headers_only=settings.epp_headers,
+        envoy=settings.envoy,
+        tls=settings.epp_tls,
+    )
     levels, rates, workers = settings.levels, settings.rate_levels, settings.worker_counts
     plan = Plan(
         concurrency=levels,
@@ -340,22 +390,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     with LocalStack(config).start() as stack:
         targets: dict[str, list[str]] = {DIRECT: stack.layout.replica_urls}
-        pids: dict[str, int | None] = {}
+        pids: dict[str, dict[str, list[int]]] = {}
+
+        def router(name: str) -> dict[str, list[int]]:
+            pid = stack.processes.pid(name)
+            return {ROUTER: [pid]} if pid is not None else {}
+
         for count in workers:
             name = f"kvrouter-w{count}"
             targets[name] = [start_kvrouter(stack, name, workers=count, extra=extra)]
-            pids[name] = stack.processes.pid(name)
+            pids[name] = router(name)
         if settings.local_index:
             targets[LOCAL_INDEX] = [
                 start_kvrouter(stack, LOCAL_INDEX, workers=1, extra=extra, local_index=True)
             ]
-            pids[LOCAL_INDEX] = stack.processes.pid(LOCAL_INDEX)
+            pids[LOCAL_INDEX] = router(LOCAL_INDEX)
         if settings.embedded:
             targets[EMBEDDED] = [start_kvrouter(stack, EMBEDDED, workers=None, extra=extra)]
-            pids[EMBEDDED] = stack.processes.pid(EMBEDDED)
+            pids[EMBEDDED] = router(EMBEDDED)
         for name, url in start_peers(stack, peers).items():
             targets[name] = [url]
-            pids[name] = stack.processes.pid(name)
+            pids[name] = router(name)
+        for arm in gateways:
+            url, pids[arm.name] = start_gateway(stack, arm, extra=extra)
+            targets[arm.name] = [url]
         report = asyncio.run(drive(targets, pids, plan))
     print(render(report))
     if settings.json:

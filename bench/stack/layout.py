@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,24 @@ def kvrouter_bin() -> str:
     """The ``kvrouter`` console script of this interpreter's environment."""
     candidate = Path(sys.executable).parent / "kvrouter"
     return str(candidate) if candidate.exists() else "kvrouter"
+
+
+def gateway_ext_proc(gateway: Gateway, epps: Sequence[str]) -> ExtProc:
+    """The ext_proc filter of a :class:`Gateway` asking the pickers at ``epps`` (gRPC
+    ``host:port``), round robin."""
+    body: BodyMode = "FULL_DUPLEX_STREAMED" if gateway.response_body else "NONE"
+    return ExtProc(
+        epps=tuple(epps),
+        tls=gateway.tls,
+        failure_mode_allow=gateway.fail_open,
+        request_body_mode="BUFFERED" if gateway.buffered else "FULL_DUPLEX_STREAMED",
+        request_trailer_mode="SKIP" if gateway.buffered else "SEND",
+        response_body_mode=body,
+        response_trailer_mode="SEND" if gateway.response_body else "SKIP",
+        # a killed picker is out of the round robin within a second (kvrouter epp answers
+        # grpc.health.v1 for the ext_proc service on its ext_proc port)
+        health_check_interval_s=1.0,
+    )
 
 
 class StackLayout:
@@ -222,19 +241,7 @@ class StackLayout:
         """
         gateway = gateway or self.config.gateway
         assert gateway is not None and self.envoy_admin_port is not None
-        body: BodyMode = "FULL_DUPLEX_STREAMED" if gateway.response_body else "NONE"
-        ext_proc = ExtProc(
-            epps=tuple(f"127.0.0.1:{port}" for port in self.grpc_ports),
-            tls=gateway.tls,
-            failure_mode_allow=gateway.fail_open,
-            request_body_mode="BUFFERED" if gateway.buffered else "FULL_DUPLEX_STREAMED",
-            request_trailer_mode="SKIP" if gateway.buffered else "SEND",
-            response_body_mode=body,
-            response_trailer_mode="SEND" if gateway.response_body else "SKIP",
-            # a killed picker is out of the round robin within a second (kvrouter epp answers
-            # grpc.health.v1 for the ext_proc service on its ext_proc port)
-            health_check_interval_s=1.0,
-        )
+        ext_proc = gateway_ext_proc(gateway, [f"127.0.0.1:{port}" for port in self.grpc_ports])
         return EnvoyConfig(
             port=self.haproxy_port,
             admin_port=self.envoy_admin_port,

@@ -1,5 +1,6 @@
 """The saturation benchmark end to end on a tiny plan: the engines direct and two kvrouter
-arms (one process, ``--workers 2``), real processes, every row filled."""
+arms (one process, ``--workers 2``), then the gateway arms (Envoy with and without kvrouter
+epp), real processes, every row filled."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bench.gateway import ENVOY, EPP
 from bench.proxy_load import PATH, Bodies, Target
 from bench.saturation import main, open_streams, render
+from bench.stack.envoy import MISSING, envoy_binary
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
@@ -21,7 +24,7 @@ def test_a_tiny_run_measures_every_target_at_every_level(tmp_path: Path) -> None
     out = tmp_path / "saturation.json"
     argv = ["--concurrency", "1,4", "--rates", "20", "--seconds", "0.6", "--rounds", "2"]
     argv += ["--workers", "1,2"]
-    argv += ["--peers", ""]
+    argv += ["--peers", "", "--epp", "", "--no-envoy"]
     assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     targets = report["targets"]
@@ -93,3 +96,24 @@ async def test_open_loop_arrivals_do_not_wait_for_answers() -> None:
     assert max(level.ttft) >= 0.3  # each answer took the server's 0.3 s
     assert first[-1] - first[0] < 0.5  # ... yet they all arrived within the level's 0.5 s
     assert len(arrived) == len(first)  # the same arrivals again
+
+
+@pytest.mark.skipif(envoy_binary() is None, reason=MISSING)
+def test_the_gateway_arms_report_the_pickers_and_envoys_cpu_apart(tmp_path: Path) -> None:
+    """Envoy + kvrouter epp (every response chunk through the picker, or only the headers)
+    and Envoy alone, end to end: each row filled, its CPU read per part."""
+    out = tmp_path / "saturation.json"
+    argv = ["--concurrency", "2", "--seconds", "0.4", "--rounds", "1", "--workers", ""]
+    argv += ["--no-local-index", "--no-embedded", "--peers", "", "--json", str(out)]
+    assert main(argv) == 0
+    targets = json.loads(out.read_text())["targets"]
+    assert set(targets) == {"direct", EPP, f"{EPP}-hdr", ENVOY}
+    for name in (EPP, f"{EPP}-hdr", ENVOY):
+        row = targets[name]["2"]
+        assert row["errors"] == 0 and row["requests"] > 0, (name, row)
+        assert row["requests"] / row["rps"] < 1.5  # the level's 0.4 s and the last streams
+        assert row["cpu_envoy_ms_per_request"] > 0
+        pickers = row.get("cpu_epp_ms_per_request", 0.0)
+        assert (pickers > 0) == (name != ENVOY)
+        assert row["cpu_ms_per_request"] == pytest.approx(row["cpu_envoy_ms_per_request"] + pickers)
+    assert "epp" in render(targets) and "envoy" in render(targets)

@@ -47,6 +47,19 @@ from tracker.framework.settings import Settings
             ],
             {"levels": (), "seconds": 12.0, "worker_counts": (1,), "local_index": False},
         ),
+        (
+            SaturationSettings,
+            [
+                *("--concurrency", "32,128,256", "--workers", "1,2", "--no-local-index"),
+                *("--no-embedded", "--epp", "1,2", "--json", "x.json"),
+            ],
+            {"levels": (32, 128, 256), "picker_counts": (1, 2), "epp_headers": True},
+        ),
+        (
+            OverheadSettings,
+            ["--rounds", "200", "--prompt-tokens", "8000", "--json", "x.json"],
+            {"prompt_tokens": 8000, "picker_counts": (1,), "envoy": True},
+        ),
         (StackSettings, ["--time-scale", "0.1"], {"time_scale": 0.1, "redis": True}),
         (
             ReportSettings,
@@ -71,6 +84,9 @@ def test_the_stack_without_redis_is_one_embedded_router() -> None:
     ("settings", "argv"),
     [
         (OverheadSettings, ["--peers", "nginx"]),
+        (OverheadSettings, ["--prompt-tokens", "100"]),
+        (OverheadSettings, ["--epp", "0"]),
+        (SaturationSettings, ["--epp", "0"]),
         (RouterBenchSettings, ["--sizes", "1,x"]),
         (IndexBenchSettings, ["--replicas", "many"]),
         (ReportSettings, []),  # the result document is required
