@@ -31,18 +31,21 @@ from enum import StrEnum
 from pathlib import Path
 from typing import IO, Any, Final, Literal
 
-# the protocol's names, as the picker reads and writes them (router/epp/messages.py): the
-# request header and envoy.lb metadata key naming the picked endpoints in order, the envoy.lb
-# key of the endpoint that served (after retries), the subset hint's namespace and key, the
-# filter's name and the response attribute naming the upstream that answered (any cluster)
+from router.epp import messages
 from router.epp.endpoints import is_ip
-from router.epp.messages import DESTINATION as DESTINATION_HEADER
-from router.epp.messages import EXT_PROC_ATTRIBUTES as EXT_PROC_FILTER
-from router.epp.messages import LB_NAMESPACE, SUBSET_NAMESPACE
-from router.epp.messages import SERVED as SERVED_KEY
-from router.epp.messages import SUBSET as SUBSET_KEY
-from router.epp.messages import UPSTREAM_ADDRESS as SERVED_ATTRIBUTE
 
+# the protocol's names, as the picker reads and writes them (router/epp/messages.py)
+DESTINATION_HEADER: Final = messages.DESTINATION
+"""Request header (and ``envoy.lb`` metadata key) naming the picked endpoints, in order."""
+SERVED_KEY: Final = messages.SERVED
+"""``envoy.lb`` metadata key of the endpoint that served the request (after retries)."""
+LB_NAMESPACE: Final = messages.LB_NAMESPACE
+SUBSET_NAMESPACE: Final = messages.SUBSET_NAMESPACE
+SUBSET_KEY: Final = messages.SUBSET
+"""``SUBSET_NAMESPACE`` metadata key of the endpoints a picker may choose among."""
+EXT_PROC_FILTER: Final = messages.EXT_PROC_ATTRIBUTES
+SERVED_ATTRIBUTE: Final = messages.UPSTREAM_ADDRESS
+"""The ext_proc response attribute naming the upstream that answered (any cluster type)."""
 GRACEFUL_CLOSE: Final = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
 EPP_CLUSTER: Final = "epp"
 ENGINES_CLUSTER: Final = "engines"
