@@ -30,6 +30,7 @@ from router.http.app import Routes, operator_app
 from router.http.auth import KeyCheck, load_keys
 from router.router import Router
 from router.shared.redis_load import new_router_id
+from tracker.framework.errors import ConfigError
 from tracker.framework.http import HTTPServer, bind
 from tracker.framework.lifecycle import run_on_loop, run_until_signalled, serve_until
 
@@ -136,13 +137,16 @@ class EppService:
             (probes, settings.health_port, None),  # the kubelet's gRPC probes speak no TLS
         ):
             address = _address(settings.host, port)
-            bound = (
-                server.add_insecure_port(address)
-                if tls is None
-                else server.add_secure_port(address, tls)
-            )
+            try:
+                bound = (
+                    server.add_insecure_port(address)
+                    if tls is None
+                    else server.add_secure_port(address, tls)
+                )
+            except RuntimeError:  # grpc's "Failed to bind" (in use, not local, bad name)
+                bound = 0
             if not bound:
-                raise OSError(f"cannot listen on {address}")
+                raise ConfigError(f"cannot listen on {address} (in use, or not an address here)")
             ports.append(bound)
             await server.start()
         self.grpc_port, self.health_port = ports

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -54,6 +55,17 @@ def test_bad_settings_exit_with_a_clear_message(
         main(["epp", *args])  # the command line's own parser, in this process
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_a_clear_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run("--grpc-port", str(port), "--port", "0", "--health-port", "0")
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 async def test_a_stop_lets_the_stream_in_flight_finish(tmp_path: Path) -> None:
