@@ -1,8 +1,9 @@
 """``python -m bench.stack``: start the local stack, print where it listens, stop on Ctrl-C.
 
 redis-server, simulated engines (``kvrouter replica``), one tracker, N routers and haproxy in
-TCP (L4) mode in front of the routers, or, with ``--no-redis``, one router with its
-in-process tracker and no Redis; every process logs to its own file in the work directory.
+TCP (L4) mode in front of the routers; with ``--gateway``, N endpoint pickers (``kvrouter
+epp``) behind a real Envoy instead; or, with ``--no-redis``, one router with its in-process
+tracker and no Redis. Every process logs to its own file in the work directory.
 """
 
 from __future__ import annotations

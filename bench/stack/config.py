@@ -147,6 +147,11 @@ class StackSettings(Settings):
     haproxy: bool = setting(
         StackConfig.haproxy, "haproxy in front (--no-haproxy: clients talk to router-0)"
     )
+    gateway: bool = setting(
+        False,
+        "the routers as endpoint pickers (kvrouter epp) behind a real Envoy, which replaces "
+        "haproxy (needs --redis)",
+    )
     model: str = setting(StackConfig.model, "served model name")
     block_size: int = setting(StackConfig.block_size, "KV-cache block size in tokens")
     num_blocks: int = setting(StackConfig.num_blocks, "KV-cache blocks per engine")
@@ -160,6 +165,7 @@ class StackSettings(Settings):
             routers=self.routers if self.redis else 1,
             redis=self.redis,
             haproxy=self.haproxy,
+            gateway=Gateway() if self.gateway and self.redis else None,
             model=self.model,
             block_size=self.block_size,
             num_blocks=self.num_blocks,

@@ -365,4 +365,7 @@ class StackLayout:
         if self.redis_url is not None:
             out["redis"] = self.redis_url
             out["tracker"] = f"http://127.0.0.1:{self.tracker_port}"
+        if self.config.gateway is not None:
+            out["pickers"] = [f"127.0.0.1:{port}" for port in self.grpc_ports]
+            out["envoy_admin"] = f"http://127.0.0.1:{self.envoy_admin_port}"
         return out
