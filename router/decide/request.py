@@ -157,3 +157,15 @@ def cached_tokens(usage: Any) -> int | None:
     details = usage.get("prompt_tokens_details")
     value = details.get("cached_tokens") if isinstance(details, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def answer_cached_tokens(data: bytes | bytearray) -> int | None:
+    """The cached tokens an engine reported in a whole (not streamed) JSON answer; None when
+    it has no usage or is not JSON. Answers without ``"usage"`` are not decoded."""
+    if b'"usage"' not in data:
+        return None
+    try:
+        answer = _decode(data)
+    except msgspec.DecodeError:
+        return None
+    return cached_tokens(answer.get("usage")) if isinstance(answer, dict) else None

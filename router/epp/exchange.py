@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Final
 
-import msgspec
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
-from router.decide.request import cached_tokens
+from router.decide.request import answer_cached_tokens
 from router.epp import messages
 from router.epp.messages import ProcessingRequest, ProcessingResponse
 from router.epp.picker import EndpointPicker, Pick
@@ -32,7 +31,6 @@ FULL_DUPLEX: Final = _Mode.FULL_DUPLEX_STREAMED
 BUFFERED: Final = (_Mode.BUFFERED, _Mode.BUFFERED_PARTIAL)
 JSON_USAGE_LIMIT: Final = 4 << 20
 """An answer that is not streamed is read for its usage up to this many bytes."""
-_decode = msgspec.json.Decoder().decode
 
 
 class Exchange:
@@ -207,14 +205,7 @@ class Exchange:
     def _cached_tokens(self) -> int | None:
         if self._usage is not None:
             return self._usage.cached_tokens
-        if self._answer and b'"usage"' in self._answer:
-            try:
-                answer = _decode(self._answer)
-            except msgspec.DecodeError:
-                return None
-            if isinstance(answer, dict):
-                return cached_tokens(answer.get("usage"))
-        return None
+        return answer_cached_tokens(self._answer) if self._answer else None
 
     def _ended(self) -> None:
         """The response is complete."""

@@ -21,7 +21,6 @@ from collections.abc import AsyncGenerator
 from typing import Final
 
 import anyio
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -29,7 +28,7 @@ from router.config import RouterSettings
 from router.decide.attempt import Attempt
 from router.decide.decider import Decider
 from router.decide.placement import Placement
-from router.decide.request import Endpoint, cached_tokens, parse
+from router.decide.request import Endpoint, answer_cached_tokens, parse
 from router.errors import NoReplicaError, UpstreamError
 from router.fleet.replicas import Replica, ReplicaSet
 from router.fleet.upstream import (
@@ -50,7 +49,6 @@ REPLICA_HEADER: Final = "x-kvrouter-replica"
 PREDICTED_HEADER: Final = "x-kvrouter-cached-tokens-predicted"
 FALLBACK_HEADER: Final = "x-kvrouter-fallback"
 DECISION_HEADER: Final = "x-kvrouter-decision-ms"
-_decode = msgspec.json.Decoder().decode
 
 
 class _Call:
@@ -127,11 +125,8 @@ class Proxy:
     def _next(self, call: _Call, tried: list[str]) -> Replica | None:
         if len(tried) > self.settings.retries:
             return None
-        for replica_id in call.placement.order():
-            replica = self.replicas.get(replica_id)
-            if replica_id not in tried and replica is not None and replica.healthy:
-                return replica
-        return None
+        healthy = self.replicas.in_rotation(call.placement.order())
+        return next((r for r in healthy if r.id not in tried), None)
 
     async def _dispatch(self, call: _Call, watch: ClientWatch) -> Response:
         tried: list[str] = []
@@ -227,14 +222,7 @@ class Proxy:
         headers = self._headers(call, attempt, upstream)
         self._count(call, upstream.status, attempt.replica)
         if upstream.status >= 300 or not call.placement.request.stream:
-            engine: int | None = None
-            if upstream.status == 200 and b'"usage"' in data:
-                try:
-                    answer = _decode(data)
-                except msgspec.DecodeError:
-                    answer = None
-                if isinstance(answer, dict):
-                    engine = cached_tokens(answer.get("usage"))
+            engine = answer_cached_tokens(data) if upstream.status == 200 else None
             self._finished(call, attempt, "ok" if upstream.status < 500 else "error", engine)
             return Response(data, upstream.status, headers)
         usage = UsageFilter(strip_usage=not call.placement.request.include_usage)
