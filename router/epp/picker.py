@@ -30,6 +30,11 @@ from router.metrics import RouterMetrics
 ROUTES: dict[str, Endpoint] = {path: endpoint for endpoint, path in PATHS.items()}
 
 
+def route_of(path: str) -> Endpoint | None:
+    """The generation route a request path is (query and trailing slash ignored), if any."""
+    return ROUTES.get(path.partition("?")[0].rstrip("/") or "/")
+
+
 @dataclass(slots=True, eq=False)
 class Pick:
     """Where one request through the gateway goes, and what was booked for it.
@@ -99,17 +104,13 @@ class EndpointPicker:
         :raises RouterError: the request is refused (its status is the answer's).
         """
         among = None if allowed is None else self.endpoints.among(allowed)
-        endpoint = ROUTES.get(path.partition("?")[0].rstrip("/") or "/")
+        endpoint = route_of(path)
         if endpoint is None:
             return self._on_load(among)
         request = parse(body, endpoint)
         placement = await self.decider.place(request, among=among)
         sees_first_token = sees_first_token and request.stream
-        order = [
-            replica
-            for replica_id in placement.order()
-            if (replica := self.replicas.get(replica_id)) is not None and replica.healthy
-        ][: self.settings.retries + 1]
+        order = list(self.replicas.in_rotation(placement.order()))[: self.settings.retries + 1]
         if not order:
             raise NoReplicaError("no healthy replica left to try")
         attempt = self.decider.commit(placement, order[0].id, sees_first_token=sees_first_token)
@@ -153,7 +154,7 @@ class EndpointPicker:
 
     def refused(self, path: str, error: BaseException) -> None:
         """The gateway answers the request with an error of ours (counted)."""
-        endpoint = ROUTES.get(path.partition("?")[0].rstrip("/") or "/") or "other"
+        endpoint = route_of(path) or "other"
         self.metrics.requests.labels(endpoint, str(status_of(error)), "").inc()
 
     def first_token(self, pick: Pick) -> None:
@@ -179,17 +180,10 @@ class EndpointPicker:
             return
         attempt = pick.attempt
         if unseen and attempt is not None and attempt.first_token_at is None:
-            expected = attempt.dispatched + attempt.score.expected_ttft_ms / 1000
-            if expected > time.monotonic():
+            left = attempt.dispatched + attempt.score.expected_ttft_ms / 1000 - time.monotonic()
+            if left > 0:
                 loop = asyncio.get_running_loop()
-                loop.call_at(
-                    loop.time() + expected - time.monotonic(),
-                    self.finish,
-                    pick,
-                    outcome,
-                    status,
-                    cached_tokens,
-                )
+                loop.call_later(left, self.finish, pick, outcome, status, cached_tokens)
                 return
         pick.done = True
         endpoint = pick.endpoint or "other"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tracker.core.blocks import Namespace
@@ -125,6 +125,13 @@ class ReplicaSet:
             for r in self.all()
             if r.model == model and r.healthy and (lora is None or lora in r.adapters)
         ]
+
+    def in_rotation(self, ids: Iterable[str]) -> Iterator[Replica]:
+        """The replicas of ``ids`` that are known and healthy, in that order."""
+        for replica_id in ids:
+            replica = self._replicas.get(replica_id)
+            if replica is not None and replica.healthy:
+                yield replica
 
     def engine_load(self, replica: Replica, now: float | None = None) -> EngineLoad | None:
         """The replica's engine metrics if fresh enough to use."""
