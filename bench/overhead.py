@@ -37,7 +37,7 @@ import aiohttp
 
 from bench.gateway import ENVOY, gateway_arms, start_gateway
 from bench.peers import PEERS, Worker, executable, installed, named
-from bench.proxy_load import cpu_of
+from bench.proxy_load import cpu_of, cpu_parts, cpu_row, router_part
 from bench.stack.config import StackConfig
 from bench.stack.envoy import DESTINATION_HEADER
 from bench.stack.layout import kvrouter_bin
@@ -52,7 +52,6 @@ from tracker.framework.settings import Settings, comma_list, setting
 
 PATH: Final = "/v1/chat/completions"
 DIRECT: Final = "direct"
-ROUTER: Final = "router"  # a target's CPU part when it is one router (and its children)
 QUESTION_CHARS: Final = 150
 PROMPT_TOKENS: Final = 4_950  # a 4,800-token system prompt and the question
 
@@ -189,19 +188,8 @@ async def measure(
             row |= _spread(over[name], f"added_over_{baselines[name]}")
         if decisions.get(name):
             row |= _spread(decisions[name], "decision")
-        report[name] = row | _cpu_row(spent.get(name, {}), rounds)
+        report[name] = row | cpu_row(spent.get(name, {}), rounds)
     return report
-
-
-def _cpu_row(spent: Mapping[str, float], requests: int) -> dict[str, float]:
-    """CPU ms per request, all parts and (but a router's) each part; none without parts."""
-    if not spent:
-        return {}
-    row = {"cpu_ms_per_request": sum(spent.values()) * 1000 / requests}
-    for part, seconds in spent.items():
-        if part != ROUTER:
-            row[f"cpu_{part}_ms_per_request"] = seconds * 1000 / requests
-    return row
 
 
 EMBEDDED: Final = "kvrouter-embedded"
@@ -352,13 +340,9 @@ def render(report: dict[str, dict[str, float]]) -> str:
                     f"{row[f'added_over_{base}_{q}_ms']:+.2f}" for q in ("p50", "p90", "p99")
                 )
                 notes.append(f"{name} over {base}, paired per round, p50 / p90 / p99: {spread}")
-        parts = [
-            f"{key.removeprefix('cpu_').removesuffix('_ms_per_request')} {value:.2f}"
-            for key, value in row.items()
-            if key.startswith("cpu_") and key != "cpu_ms_per_request"
-        ]
+        parts = cpu_parts(row)
         if parts:
-            notes.append(f"{name} CPU per request: {' + '.join(parts)}")
+            notes.append(f"{name} CPU per request: {parts}")
     return "\n".join(lines + notes)
 
 
@@ -384,18 +368,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         replica_args=("--replay-layout", "topic"),
     )
     with LocalStack(config).start() as stack:
-
-        def router(name: str) -> dict[str, list[int]]:
-            pid = stack.processes.pid(name)
-            return {ROUTER: [pid]} if pid is not None else {}
-
         targets = {"kvrouter": stack.layout.router_urls[0]}
-        pids = {"kvrouter": router("router-0")}
+        pids = {"kvrouter": router_part(stack.processes.pid("router-0"))}
         if settings.embedded:
             targets[EMBEDDED] = start_kvrouter(stack, EMBEDDED, workers=None, extra=router_args)
-            pids[EMBEDDED] = router(EMBEDDED)
+            pids[EMBEDDED] = router_part(stack.processes.pid(EMBEDDED))
         targets |= start_peers(stack, peers)
-        pids |= {name: router(name) for name in peers}
+        pids |= {name: router_part(stack.processes.pid(name)) for name in peers}
         for arm in gateways:
             targets[arm.name], pids[arm.name] = start_gateway(stack, arm, extra=router_args)
         alone = [arm.name for arm in gateways if arm.pickers == 0]

@@ -30,6 +30,8 @@ from bench.stack.config import StackConfig
 from bench.stack.local import LocalStack
 from router.fleet.upstream import KEEPALIVE_EXPIRY_S
 
+ROUTER: Final = "router"  # a target's CPU part when it is one router (and its children)
+
 MODEL: Final = "default"
 PATH: Final = "/v1/chat/completions"
 SYSTEM_CHARS: Final = 1_000  # the builtin tokenizer is byte-level: one character, one token
@@ -86,6 +88,33 @@ def cpu_of(parts: Mapping[str, Sequence[int]]) -> dict[str, float]:
     """CPU seconds so far of each part of a target (its processes' trees, summed), e.g. a
     gateway's pickers and its Envoy."""
     return {part: sum(map(cpu_seconds, members)) for part, members in parts.items()}
+
+
+def router_part(pid: int | None) -> dict[str, list[int]]:
+    """A target that is one router process (and its children) as its CPU parts."""
+    return {ROUTER: [pid]} if pid is not None else {}
+
+
+def cpu_row(spent: Mapping[str, float], requests: int) -> dict[str, float]:
+    """CPU ms per request from each part's CPU seconds: ``cpu_ms_per_request`` sums the
+    parts, and each part but a lone router's has its own ``cpu_<part>_ms_per_request``;
+    empty without parts."""
+    if not spent:
+        return {}
+    row = {"cpu_ms_per_request": sum(spent.values()) * 1000 / requests}
+    for part, seconds in spent.items():
+        if part != ROUTER:
+            row[f"cpu_{part}_ms_per_request"] = seconds * 1000 / requests
+    return row
+
+
+def cpu_parts(row: Mapping[str, float]) -> str:
+    """A row's CPU per part for people, ``epp 3.94 + envoy 1.36`` ("" without parts)."""
+    return " + ".join(
+        f"{key.removeprefix('cpu_').removesuffix('_ms_per_request')} {value:.2f}"
+        for key, value in row.items()
+        if key.startswith("cpu_") and key != "cpu_ms_per_request"
+    )
 
 
 def _process_tree(pid: int) -> list[int]:

@@ -38,16 +38,19 @@ from typing import Any, Final
 import aiohttp
 
 from bench.gateway import gateway_arms, start_gateway
-from bench.overhead import EMBEDDED, LOCAL_INDEX, ROUTER, start_kvrouter, start_peers
+from bench.overhead import EMBEDDED, LOCAL_INDEX, start_kvrouter, start_peers
 from bench.peers import installed, named
 from bench.proxy_load import (
     Bodies,
     Target,
     cpu_of,
+    cpu_parts,
+    cpu_row,
     cpu_seconds,
     fast_engines,
     one_stream,
     percentile,
+    router_part,
 )
 from bench.stack.local import LocalStack
 from router.fleet.upstream import KEEPALIVE_EXPIRY_S
@@ -241,11 +244,7 @@ async def drive(
                     "gap_p99_ms": percentile(run.gaps, 99) * 1e3,
                     "client_cpu_ms_per_request": client_cpu[name] * 1e3 / done,
                 }
-                if cpu[name]:
-                    row["cpu_ms_per_request"] = sum(cpu[name].values()) * 1e3 / done
-                for part, used in cpu[name].items():
-                    if part != ROUTER:
-                        row[f"cpu_{part}_ms_per_request"] = used * 1e3 / done
+                row |= cpu_row(cpu[name], done)
                 report[name][level_name(level, rate=is_rate)] = row
     for name, levels in report.items():
         for key, row in levels.items():
@@ -276,11 +275,7 @@ def render(report: dict[str, dict[str, dict[str, float]]]) -> str:
                 else f"{'':>10} {'':>8}"
             )
             cpu = f"{row['cpu_ms_per_request']:>8.2f}" if "cpu_ms_per_request" in row else " " * 8
-            parts = " + ".join(
-                f"{key.removeprefix('cpu_').removesuffix('_ms_per_request')} {value:.2f}"
-                for key, value in row.items()
-                if key.startswith("cpu_") and key != "cpu_ms_per_request"
-            )
+            parts = cpu_parts(row)
             lines.append(
                 f"{name:<18} {level:>7} {row['rps']:>7.0f} {row['ttft_p50_ms']:>9.2f} "
                 f"{row['ttft_p95_ms']:>8.2f} {row['ttft_p99_ms']:>8.2f} {added} "
@@ -392,25 +387,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         targets: dict[str, list[str]] = {DIRECT: stack.layout.replica_urls}
         pids: dict[str, dict[str, list[int]]] = {}
 
-        def router(name: str) -> dict[str, list[int]]:
-            pid = stack.processes.pid(name)
-            return {ROUTER: [pid]} if pid is not None else {}
-
         for count in workers:
             name = f"kvrouter-w{count}"
             targets[name] = [start_kvrouter(stack, name, workers=count, extra=extra)]
-            pids[name] = router(name)
+            pids[name] = router_part(stack.processes.pid(name))
         if settings.local_index:
             targets[LOCAL_INDEX] = [
                 start_kvrouter(stack, LOCAL_INDEX, workers=1, extra=extra, local_index=True)
             ]
-            pids[LOCAL_INDEX] = router(LOCAL_INDEX)
+            pids[LOCAL_INDEX] = router_part(stack.processes.pid(LOCAL_INDEX))
         if settings.embedded:
             targets[EMBEDDED] = [start_kvrouter(stack, EMBEDDED, workers=None, extra=extra)]
-            pids[EMBEDDED] = router(EMBEDDED)
+            pids[EMBEDDED] = router_part(stack.processes.pid(EMBEDDED))
         for name, url in start_peers(stack, peers).items():
             targets[name] = [url]
-            pids[name] = router(name)
+            pids[name] = router_part(stack.processes.pid(name))
         for arm in gateways:
             url, pids[arm.name] = start_gateway(stack, arm, extra=extra)
             targets[arm.name] = [url]
