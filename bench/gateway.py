@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from bench.stack.config import Gateway
-from bench.stack.envoy import MISSING, EnvoyConfig, Upstream, envoy_argv, envoy_binary
-from bench.stack.layout import gateway_ext_proc, kvrouter_bin
+from bench.stack.envoy import MISSING, envoy_argv, envoy_binary
+from bench.stack.layout import gateway_envoy, kvrouter_bin, picker_flags
 from bench.stack.local import LocalStack
 from bench.stack.ports import free_ports
 
@@ -82,22 +82,21 @@ def start_gateway(
         name = f"{arm.name}-epp-{i}"
         http, grpc, health = (ports + 2 + 3 * i + k for k in range(3))
         argv = [
-            kvrouter_bin(), "epp", "--port", str(http), "--grpc-port", str(grpc),
-            "--health-port", str(health), "--router-id", name, "--model", config.model,
-            "--block-size", str(config.block_size), "--redis", layout.redis_url,
-            *([] if arm.gateway.tls else ["--no-secure-serving"]), *extra,
+            kvrouter_bin(), "epp", "--port", str(http), "--router-id", name,
+            "--model", config.model, "--block-size", str(config.block_size),
+            "--redis", layout.redis_url, *picker_flags(arm.gateway, grpc, health), *extra,
         ]  # fmt: skip
         url = f"http://127.0.0.1:{http}/health"
         stack.processes.spawn(name, argv, url)
         stack.wait_knows_replicas(name, url, 30.0)
         epps.append(f"127.0.0.1:{grpc}")
         pids.append(_pid(stack, name))
-    envoy = EnvoyConfig(
+    envoy = gateway_envoy(
+        arm.gateway,
         port=listen,
         admin_port=admin,
-        upstream=Upstream.OVERRIDE_HOST,
-        engines=tuple(url.removeprefix("http://") for url in layout.replica_urls),
-        ext_proc=gateway_ext_proc(arm.gateway, epps) if epps else None,
+        epps=epps,
+        engines=[url.removeprefix("http://") for url in layout.replica_urls],
     )
     name = f"{arm.name}-envoy"
     path = envoy.write(stack.workdir / f"{name}.json")

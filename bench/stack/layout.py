@@ -23,22 +23,41 @@ def kvrouter_bin() -> str:
     return str(candidate) if candidate.exists() else "kvrouter"
 
 
-def gateway_ext_proc(gateway: Gateway, epps: Sequence[str]) -> ExtProc:
-    """The ext_proc filter of a :class:`Gateway` asking the pickers at ``epps`` (gRPC
-    ``host:port``), round robin."""
+def gateway_envoy(
+    gateway: Gateway, *, port: int, admin_port: int, epps: Sequence[str], engines: Sequence[str]
+) -> EnvoyConfig:
+    """A :class:`Gateway`'s Envoy on ``port``: it asks the pickers at ``epps`` (gRPC
+    ``host:port``, round robin; none: Envoy alone) and sends each request to the engines
+    (``host:port``) the answer names, the next one on a retry."""
     body: BodyMode = "FULL_DUPLEX_STREAMED" if gateway.response_body else "NONE"
-    return ExtProc(
-        epps=tuple(epps),
-        tls=gateway.tls,
-        failure_mode_allow=gateway.fail_open,
-        request_body_mode="BUFFERED" if gateway.buffered else "FULL_DUPLEX_STREAMED",
-        request_trailer_mode="SKIP" if gateway.buffered else "SEND",
-        response_body_mode=body,
-        response_trailer_mode="SEND" if gateway.response_body else "SKIP",
-        # a killed picker is out of the round robin within a second (kvrouter epp answers
-        # grpc.health.v1 for the ext_proc service on its ext_proc port)
-        health_check_interval_s=1.0,
+    ext_proc = None
+    if epps:
+        ext_proc = ExtProc(
+            epps=tuple(epps),
+            tls=gateway.tls,
+            failure_mode_allow=gateway.fail_open,
+            request_body_mode="BUFFERED" if gateway.buffered else "FULL_DUPLEX_STREAMED",
+            request_trailer_mode="SKIP" if gateway.buffered else "SEND",
+            response_body_mode=body,
+            response_trailer_mode="SEND" if gateway.response_body else "SKIP",
+            # a killed picker is out of the round robin within a second (kvrouter epp answers
+            # grpc.health.v1 for the ext_proc service on its ext_proc port)
+            health_check_interval_s=1.0,
+        )
+    return EnvoyConfig(
+        port=port,
+        admin_port=admin_port,
+        upstream=Upstream.OVERRIDE_HOST,
+        engines=tuple(engines),
+        ext_proc=ext_proc,
     )
+
+
+def picker_flags(gateway: Gateway, grpc_port: int, health_port: int) -> list[str]:
+    """A ``kvrouter epp``'s own flags behind ``gateway``: its ports, and plaintext when the
+    gateway connects so."""
+    ports = ["--grpc-port", str(grpc_port), "--health-port", str(health_port)]
+    return ports if gateway.tls else [*ports, "--no-secure-serving"]
 
 
 class StackLayout:
@@ -225,12 +244,10 @@ class StackLayout:
         return out
 
     def _picker_flags(self, i: int) -> list[str]:
-        """An endpoint picker's own ports (and plaintext when the gateway connects so)."""
         gateway = self.config.gateway
         if gateway is None:
             return []
-        ports = ["--grpc-port", str(self.grpc_ports[i]), "--health-port", str(self.health_ports[i])]
-        return ports if gateway.tls else [*ports, "--no-secure-serving"]
+        return picker_flags(gateway, self.grpc_ports[i], self.health_ports[i])
 
     def envoy_config(self, gateway: Gateway | None = None) -> EnvoyConfig:
         """The gateway: Envoy on the entry port, asking every picker (round robin), sending
@@ -241,13 +258,12 @@ class StackLayout:
         """
         gateway = gateway or self.config.gateway
         assert gateway is not None and self.envoy_admin_port is not None
-        ext_proc = gateway_ext_proc(gateway, [f"127.0.0.1:{port}" for port in self.grpc_ports])
-        return EnvoyConfig(
+        return gateway_envoy(
+            gateway,
             port=self.haproxy_port,
             admin_port=self.envoy_admin_port,
-            upstream=Upstream.OVERRIDE_HOST,
-            engines=tuple(url.removeprefix("http://") for url in self.replica_urls),
-            ext_proc=ext_proc,
+            epps=[f"127.0.0.1:{port}" for port in self.grpc_ports],
+            engines=[url.removeprefix("http://") for url in self.replica_urls],
         )
 
     def _envoy(self) -> ProcessSpec:
