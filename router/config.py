@@ -167,6 +167,11 @@ class RouterSettings(ServiceSettings):
         "a prefix's home (the replica it was last routed to) keeps priority this long after "
         "its blocks are evicted, fading linearly (0: off)",
     )
+    session_header: str = setting(
+        "x-session-id",
+        "request header naming a session whose turns keep to one replica while it has room, "
+        "like OpenAI's prompt_cache_key field, which takes precedence ('': none)",
+    )
     reuse_window_s: float = setting(
         30.0,
         "a replica's cached prefix counts as worth keeping (evicting it costs) while routed "

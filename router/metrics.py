@@ -160,6 +160,12 @@ class RouterMetrics:
             "fallbacks", "Decisions made without the index or without shared load", ("reason",)
         )
         self.retries = counter("retries", "Requests retried on the next-best replica", ("reason",))
+        self.sessions = counter(
+            "session_requests",
+            "Requests naming a session (prompt_cache_key or the session header), by where they "
+            "went: new (no live home), home, moved",
+            ("outcome",),
+        )
         self.shed = Counter(
             "kvrouter_router_shed",
             "Requests refused with 429: every candidate was full",

@@ -36,7 +36,7 @@ from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError, O
 from router.fleet.replicas import Replica, ReplicaSet
 from router.metrics import MismatchDetector, RouterMetrics
 from router.shared.state import SharedState, SharedView
-from tracker.core.blocks import ChainCache, Namespace
+from tracker.core.blocks import ChainCache, Namespace, session_key
 from tracker.core.index import Home, Residency, Route
 from tracker.core.keys import home_anchors
 from tracker.framework.errors import TokenizationError
@@ -198,7 +198,8 @@ class Decider:
         keys = self._keys(ids, namespace, request.cache_salt)
         hashed = time.perf_counter()
         stages["hash"] = hashed - tokenized
-        view = await self.shared.view(namespace, keys)
+        session = session_key(namespace, request.session) if request.session else None
+        view = await self.shared.view(namespace, keys, session)
         self._learn_lookahead(namespace, candidates, view)
         fallback = fallback or view.fallback
         looked_up = time.perf_counter()
@@ -214,20 +215,7 @@ class Decider:
         done = time.perf_counter()
         stages["score"] = done - looked_up
         stages["total"] = done - started
-        if not dry_run:
-            for stage, seconds in stages.items():
-                self.metrics.decision.labels(stage).observe(seconds)
-            if self.journal is not None:
-                self.journal.record(
-                    model=model,
-                    prompt_tokens=len(ids),
-                    keys=keys,
-                    matches=view.matches,
-                    states=states,
-                    decision=decision,
-                    fallback=fallback,
-                )
-        return Placement(
+        placement = Placement(
             request,
             model,
             namespace,
@@ -239,7 +227,31 @@ class Decider:
             stages,
             view.homes,
             tuple(states),
+            session,
         )
+        if not dry_run:
+            self._observe(placement, view)
+        return placement
+
+    def _observe(self, placement: Placement, view: SharedView) -> None:
+        """A decision's stage times and session outcome in the metrics, its inputs in the
+        journal."""
+        for stage, seconds in placement.stages.items():
+            self.metrics.decision.labels(stage).observe(seconds)
+        if placement.session is not None:
+            outcome = _session_outcome(view, placement.decision.replica)
+            self.metrics.sessions.labels(outcome).inc()
+        if self.journal is not None:
+            self.journal.record(
+                model=placement.model,
+                prompt_tokens=placement.prompt_tokens,
+                keys=placement.keys,
+                matches=view.matches,
+                states=placement.states,
+                decision=placement.decision,
+                fallback=placement.fallback,
+                session=placement.request.session,
+            )
 
     def _states(
         self, model: str, block_size: int, candidates: Sequence[Replica], view: SharedView
@@ -282,7 +294,11 @@ class Decider:
                     cache_blocks=replica.cache_blocks,
                     resident_blocks=resident.blocks if resident is not None else None,
                     churn=churn[replica.id],
-                    home_blocks=self._home(view.homes.get(replica.id)),
+                    # a session's home claims its whole prompt; a chain's, its anchors' depth
+                    home_blocks=max(
+                        self._home(view.homes.get(replica.id)),
+                        self._home(view.session.get(replica.id)),
+                    ),
                     valued_blocks=(
                         self.reuse.valued(replica.id, resident.blocks if resident else None)
                         if self.reuse
@@ -370,7 +386,8 @@ class Decider:
             replica,
             keys[placement.placed_blocks(replica) :],
             self.settings.predict_ttl_s,
-            [keys[p] for p in home_anchors(len(keys))],
+            [keys[p] for p in home_anchors(len(keys))]
+            + ([placement.session] if placement.session is not None else []),
             self.settings.home_ttl_s,
         )
         self.shared.record(namespace, route)
@@ -451,3 +468,11 @@ class Decider:
             self.reuse.forget(replica)
         if self.occupancy is not None:
             self.occupancy.forget(replica)
+
+
+def _session_outcome(view: SharedView, chosen: str) -> str:
+    """How a request of a session was placed: its session's first (or expired) claim, at the
+    session's home, or moved away from it."""
+    if not view.session:
+        return "new"
+    return "home" if chosen in view.session else "moved"

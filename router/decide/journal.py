@@ -39,6 +39,7 @@ class DecisionJournal:
         states: Sequence[ReplicaState],
         decision: Decision,
         fallback: str | None,
+        session: str | None = None,
     ) -> None:
         if self._file is None:
             return
@@ -79,6 +80,7 @@ class DecisionJournal:
             "first_key": f"{keys[0]:016x}" if keys else None,
             "chosen": decision.replica,
             "fallback": fallback,
+            "session": session,
             "candidates": candidates,
         }
         self._file.write(_encode(line) + b"\n")

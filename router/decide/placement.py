@@ -22,6 +22,7 @@ class Placement:
     :param stages: seconds spent per stage.
     :param homes: the replicas routers last sent prefixes of the prompt to.
     :param states: what the policy knew of each candidate (none for a baseline).
+    :param session: the request's :func:`~tracker.core.blocks.session_key`, if it names one.
     """
 
     request: PromptRequest
@@ -35,6 +36,7 @@ class Placement:
     stages: dict[str, float] = field(default_factory=dict)
     homes: dict[str, Home] = field(default_factory=dict)
     states: tuple[ReplicaState, ...] = ()
+    session: int | None = None
 
     def order(self) -> list[str]:
         """Candidates best first, the chosen one leading."""

@@ -37,6 +37,12 @@ def _near_order(score: Score) -> tuple[int, int]:
     return round(score.split_tokens), -score.matched_tokens
 
 
+def _exact_order(score: Score) -> tuple[int, int]:
+    """Which of exactly tied candidates comes first (least): the one holding most of the
+    prompt, then the prompt's home."""
+    return -score.matched_tokens, round(score.split_tokens)
+
+
 def decide(
     prompt_tokens: int,
     candidates: Sequence[ReplicaState],
@@ -47,10 +53,11 @@ def decide(
     """Score every candidate and pick one.
 
     ``mode="ttft"``: the best score. Candidates within ``tie_epsilon_ms`` of the best are an
-    exact tie and go to the deepest chain; within ``tie_ratio`` of it a near-tie, which goes
-    to the prompt's home, then to the deepest chain. What is still tied goes to the least
-    busy (:func:`_busyness`), then at random. ``temperature > 0`` instead samples with
-    probability ``exp((score - best) / temperature)`` (temperature in ms).
+    exact tie and go to the deepest chain, then to the prompt's home; within ``tie_ratio``
+    of it a near-tie, which goes to the prompt's home, then to the deepest chain. What is
+    still tied goes to the least busy (:func:`_busyness`), then at random.
+    ``temperature > 0`` instead samples with probability ``exp((score - best) /
+    temperature)`` (temperature in ms).
 
     ``mode="linear"``: ``hit_weight * matched - load_weight * inflight`` with offloaded
     blocks discounted by their tier's cost: unitless and tuned per fleet, kept for A/B
@@ -76,9 +83,9 @@ def decide(
         if len(near) > len(tied):  # within the estimate's error: the home, the deepest chain
             first = min(_near_order(scores[i]) for i in near)
             tied = [i for i in near if _near_order(scores[i]) == first]
-        else:  # an exact tie: the deepest chain
-            deepest = max(scores[i].matched_tokens for i in tied)
-            tied = [i for i in tied if scores[i].matched_tokens == deepest]
+        else:  # an exact tie: the deepest chain, then the home (a session's next turn)
+            first = min(_exact_order(scores[i]) for i in tied)
+            tied = [i for i in tied if _exact_order(scores[i]) == first]
         if len(tied) > 1:  # the least busy; at random
             fewest = min(_busyness(candidates[i], fleet) for i in tied)
             tied = [i for i in tied if _busyness(candidates[i], fleet) == fewest]

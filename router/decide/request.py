@@ -25,7 +25,8 @@ class PromptRequest:
 
     ``prompt`` is the completion prompt (the first one of a batch; ``batch`` counts them);
     ``token_ids`` is only set by the ``/index`` query. ``include_usage`` is whether the
-    client itself asked for a usage chunk in its stream.
+    client itself asked for a usage chunk in its stream. ``session`` is the session the
+    request belongs to: OpenAI's ``prompt_cache_key``, else the router's session header.
     """
 
     endpoint: Endpoint
@@ -42,6 +43,7 @@ class PromptRequest:
     tools: list[Any] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
+    session: str | None = None
 
 
 def _typed(body: Mapping[str, Any], name: str, kind: type, what: str) -> Any:
@@ -88,8 +90,11 @@ def _output_limit(body: Mapping[str, Any]) -> int | None:
     return None
 
 
-def parse(raw: bytes, endpoint: Endpoint) -> PromptRequest:
+def parse(raw: bytes, endpoint: Endpoint, session: str | None = None) -> PromptRequest:
     """Decode and check ``raw``, the body of a request to ``endpoint``.
+
+    :param session: the session header's value, if the request has one; the body's
+        ``prompt_cache_key`` takes precedence.
 
     :raises BadRequestError: the body is not JSON, or a field routing needs is missing or of
         the wrong type.
@@ -108,6 +113,7 @@ def parse(raw: bytes, endpoint: Endpoint) -> PromptRequest:
     add_generation = _typed(body, "add_generation_prompt", bool, "a boolean")
     tools = _typed(body, "tools", list, "an array")
     kwargs = _typed(body, "chat_template_kwargs", dict, "an object") or {}
+    cache_key = _typed(body, "prompt_cache_key", str, "a string")
     common: dict[str, Any] = {
         "endpoint": endpoint,
         "body": body,
@@ -119,6 +125,7 @@ def parse(raw: bytes, endpoint: Endpoint) -> PromptRequest:
         "tools": tools,
         "template_kwargs": {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KEYS},
         "max_tokens": _output_limit(body),
+        "session": cache_key or session or None,
     }
     messages = body.get("messages")
     if endpoint == "index":

@@ -48,6 +48,7 @@ class Exchange:
         self.response_mode: int | None = None  # not said: the gateway's choice is unknown
         self.path = ""
         self.allowed: list[str] | None = None
+        self.session: str | None = None
         self.body = bytearray()
         self.pick: Pick | None = None
         self.refused = False
@@ -94,6 +95,7 @@ class Exchange:
         if not self.keys.allows_header(headers.get("authorization", "")):
             raise AuthError("Incorrect API key provided.")
         self.allowed = self._allowed(message, headers)
+        self.session = self.picker.session_of(headers)
         if message.request_headers.end_of_stream:  # no body: e.g. GET /v1/models
             return [await self._route(None, buffered=False)]
         if self.request_mode in BUFFERED:
@@ -146,6 +148,7 @@ class Exchange:
             self.path if body is not None else "",
             body or b"",
             self.allowed,
+            session=self.session,
             sees_first_token=self.response_mode != _Mode.NONE,
         )
         return messages.routed(self.pick.destination, {}, buffered=buffered)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from router.config import RouterSettings
@@ -95,19 +95,21 @@ class EndpointPicker:
         allowed: Collection[str] | None,
         *,
         sees_first_token: bool,
+        session: str | None = None,
     ) -> Pick:
         """Place the request to ``path`` with ``body`` among the ``allowed`` addresses (None:
         any) and book the pick.
 
         :param sees_first_token: the gateway will show the response body (its first chunk
             is the first token); otherwise the prefill is taken as done when expected.
+        :param session: the request's session header (:meth:`session_of`).
         :raises RouterError: the request is refused (its status is the answer's).
         """
         among = None if allowed is None else self.endpoints.among(allowed)
         endpoint = route_of(path)
         if endpoint is None:
             return self._on_load(among)
-        request = parse(body, endpoint)
+        request = parse(body, endpoint, session)
         placement = await self.decider.place(request, among=among)
         sees_first_token = sees_first_token and request.stream
         order = list(self.replicas.in_rotation(placement.order()))[: self.settings.retries + 1]
@@ -116,6 +118,11 @@ class EndpointPicker:
         attempt = self.decider.commit(placement, order[0].id, sees_first_token=sees_first_token)
         destination = ",".join(self.endpoints.address(r) for r in order)
         return Pick(endpoint, destination, placement, attempt, order[0].id, sees_first_token)
+
+    def session_of(self, headers: Mapping[str, str]) -> str | None:
+        """The session a request's headers name (``--session-header``), if any."""
+        name = self.settings.session_header
+        return headers.get(name.lower()) if name else None
 
     def _on_load(self, among: frozenset[str] | None) -> Pick:
         """Another route (``/v1/models``, …): any healthy allowed replica, in turn."""

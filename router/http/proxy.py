@@ -94,7 +94,8 @@ class Proxy:
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         """Route one generation request (errors raise :class:`~router.errors.RouterError`)."""
         raw = await read_body(request, self.settings.max_body_bytes)
-        parsed = parse(raw, endpoint)
+        header = self.settings.session_header
+        parsed = parse(raw, endpoint, request.headers.get(header) if header else None)
         placement = await self.decider.place(parsed)
         headers = {
             "content-type": "application/json",

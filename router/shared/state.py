@@ -147,6 +147,7 @@ class SharedView:
     residency: dict[str, Residency] = field(default_factory=dict)
     homes: dict[str, Home] = field(default_factory=dict)
     lookahead: dict[str, int] = field(default_factory=dict)
+    session: dict[str, Home] = field(default_factory=dict)
 
 
 def _view_of(survey: Survey, loads: dict[str, Load]) -> SharedView:
@@ -156,6 +157,7 @@ def _view_of(survey: Survey, loads: dict[str, Load]) -> SharedView:
         residency=survey.residency,
         homes=survey.homes,
         lookahead=survey.lookahead,
+        session=survey.session,
     )
 
 
@@ -209,13 +211,16 @@ class SharedState:
             self._outage = False
             logger.info("index circuit breaker closed: cache-aware routing again")
 
-    async def view(self, namespace: Namespace, keys: Sequence[int]) -> SharedView:
-        """Placements of ``keys`` and every router's load; never raises for the index's sake."""
+    async def view(
+        self, namespace: Namespace, keys: Sequence[int], session: int | None = None
+    ) -> SharedView:
+        """Placements of ``keys``, every router's load and the home of ``session`` (a
+        :func:`~tracker.core.blocks.session_key`); never raises for the index's sake."""
         if self.feed is not None:
             self.feed.want(namespace)
         loads = self.load.current(namespace)
         if loads is not None:
-            survey = self.index.survey_now(namespace, keys)
+            survey = self.index.survey_now(namespace, keys, session)
             if survey is not None:  # nothing to wait for, nothing that fails: no budget
                 return _view_of(survey, loads)
         if not self.breaker.allow():
@@ -225,11 +230,15 @@ class SharedState:
                 beside = self.load.survey_load
                 if beside is not None:  # the board lives beside the index: one script reads both
                     survey = await self.index.survey(
-                        namespace, keys, load_except=beside.router_id, load_ttl_s=beside.ttl_s
+                        namespace,
+                        keys,
+                        load_except=beside.router_id,
+                        load_ttl_s=beside.ttl_s,
+                        session=session,
                     )
                     loads = self.load.merge(namespace, survey.load or {})
                 else:
-                    survey = await self.index.survey(namespace, keys)
+                    survey = await self.index.survey(namespace, keys, session=session)
                     loads = self.load.current(namespace)
                     if loads is None:
                         loads = await self.load.snapshot(namespace)

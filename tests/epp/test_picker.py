@@ -170,6 +170,21 @@ async def test_the_subset_hint_and_the_conformance_header_restrict_the_pick() ->
         assert await stream.closed()
 
 
+async def test_a_session_header_keeps_unrelated_prompts_on_one_endpoint() -> None:
+    """The picker reads ``--session-header`` as the proxy does: a session's requests follow
+    its first even when they share no block (key-less, they are spread)."""
+    async with engines(3) as fleet, picker(fleet) as (_, gateway):
+        picked: dict[str, set[str]] = {"": set(), "agent-1": set()}
+        for i in range(12):
+            session = "agent-1" if i % 2 else ""
+            body = chat_body(**chat(f"{i} " * 100 + SYSTEM, "hello"))
+            extra = {"x-session-id": session} if session else {}
+            stream, answers = await send_request(gateway, body, extra=extra)
+            picked[session].add(destination(answers[0]).split(",")[0])
+            stream.cancel()
+        assert len(picked["agent-1"]) == 1 and len(picked[""]) >= 2, picked
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [

@@ -6,7 +6,7 @@ import asyncio
 
 from tests.factories import LLAMA
 from tests.tracker.contract import OTHER, SEQ, offload, put, remove, store
-from tracker.core.blocks import Namespace, block_keys
+from tracker.core.blocks import Namespace, block_keys, session_key
 from tracker.core.events import AllBlocksCleared
 from tracker.core.index import BlockIndex, Route
 from tracker.core.keys import home_anchors
@@ -172,3 +172,27 @@ async def test_newer_prediction_of_the_same_replica_replaces_the_older(index: Bl
     await index.predict(LLAMA, "b", keys[:1], ttl_s=5)
     await asyncio.sleep(0.5)
     assert await predicted(index, SEQ) == {"a": (4, 4, 4), "b": (1, 1, 1)}
+
+
+async def test_a_session_home_follows_the_last_route_of_the_session(index: BlockIndex) -> None:
+    """A session key is claimed with the route's anchors; the survey names its replica,
+    claiming the whole chain asked about, apart from where the chain's own anchors went."""
+    keys = block_keys(SEQ, LLAMA)
+    session = session_key(LLAMA, "agent-7")
+    assert session != session_key(LLAMA, "agent-8")
+    assert session != session_key(Namespace(LLAMA.model, LLAMA.block_size, "lora"), "agent-7")
+    assert (await index.survey(LLAMA, keys, session=session)).session == {}
+    anchors = [keys[p] for p in home_anchors(len(keys))]
+    await index.route(LLAMA, Route("a", keys, 5, [*anchors, session], 0.6))
+    other = block_keys(OTHER, LLAMA)  # the session's next prompt need not share a block
+    survey = await index.survey(LLAMA, other, session=session)
+    assert {r: h.blocks for r, h in survey.session.items()} == {"a": len(other)}
+    assert 0 <= survey.session["a"].age_s < 0.5
+    assert survey.homes == {}
+    assert (await index.survey(LLAMA, other)).session == {}  # asked only when named
+    await index.claim(LLAMA, "b", [session], ttl_s=5)  # the session moved
+    assert set((await index.survey(LLAMA, keys, session=session)).session) == {"b"}
+    assert set((await index.survey(LLAMA, keys, session=session)).homes) == {"a"}
+    await asyncio.sleep(0.7)
+    survey = await index.survey(LLAMA, keys, session=session_key(LLAMA, "agent-7"))
+    assert set(survey.session) == {"b"} and survey.homes == {}

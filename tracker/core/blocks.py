@@ -48,6 +48,13 @@ def namespace_seed(model: str, lora_name: str | None, block_size: int) -> int:
     return _xxh3(_pack(["kvrouter-blocks", SCHEME_VERSION, model, lora_name or "", block_size]))
 
 
+def session_key(namespace: Namespace, session: str) -> int:
+    """The 64-bit key a session's home is recorded under (``prompt_cache_key`` or a session
+    header): in the namespace's partition beside the block keys, never equal to one in
+    practice (a different hash input), and the same for every router."""
+    return _xxh3(_pack(["kvrouter-session", SCHEME_VERSION, session]), seed=namespace.seed)
+
+
 def own_extra_keys(lora_name: str | None, extra_keys: Sequence[Any] | None) -> list[Any] | None:
     """An engine's per-block ``extra_keys`` as the key function takes them, for every era.
 

@@ -104,6 +104,9 @@ class Survey(msgspec.Struct, frozen=True):
     lookahead: dict[str, int] = msgspec.field(default_factory=dict)
     """Per replica whose engine hashes lookahead tokens (vLLM 0.33), how many: the routers
     hash prompts the same way (:func:`tracker.core.blocks.block_keys`)."""
+    session: dict[str, Home] = msgspec.field(default_factory=dict)
+    """The replica the asked session (:func:`tracker.core.blocks.session_key`) was last routed
+    to, if its claim is live: its home covers the whole chain asked for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +116,8 @@ class Route:
     :param keys: block keys the replica is predicted to hold within ``ttl_s``
         (:meth:`BlockIndex.predict`).
     :param anchors: the chain's keys at :func:`tracker.core.keys.home_anchors` positions, whose
-        home the replica is for ``home_ttl_s`` (:meth:`BlockIndex.claim`).
+        home the replica is for ``home_ttl_s`` (:meth:`BlockIndex.claim`), and the request's
+        :func:`~tracker.core.blocks.session_key` if it names a session.
     :param age_s: the route was made this long ago (another router's, read later): its
         lifetimes count from then.
     """
@@ -180,11 +184,14 @@ class BlockIndex(Protocol):
         *,
         load_except: str | None = None,
         load_ttl_s: float = LOAD_TTL_S,
+        session: int | None = None,
     ) -> Survey:
         """:meth:`lookup` and every replica's :class:`Residency`, in one round trip; with
         ``load_except`` (a router's id), the other routers' shared load too where the index
         holds it (:attr:`Survey.load`; None where it does not), and that router's presence,
-        kept ``load_ttl_s`` (:mod:`router.shared.redis_load`)."""
+        kept ``load_ttl_s`` (:mod:`router.shared.redis_load`); with ``session`` (a
+        :func:`~tracker.core.blocks.session_key`, claimed like an anchor by :meth:`route`),
+        the session's home (:attr:`Survey.session`)."""
 
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
@@ -213,7 +220,9 @@ class BlockIndex(Protocol):
         """Record ``route`` without a turn of the event loop where the index is in this
         process (the next decision reads it); False where it is not: :meth:`route` it."""
 
-    def survey_now(self, namespace: Namespace, keys: Sequence[int]) -> Survey | None:
+    def survey_now(
+        self, namespace: Namespace, keys: Sequence[int], session: int | None = None
+    ) -> Survey | None:
         """:meth:`survey` without suspending where the index is in this process (nothing
         to wait for, nothing that fails); None where it must be asked."""
 

@@ -244,8 +244,10 @@ return status
 
 
 # KEYS: [rname hash, optionally the load hash]; ARGV: [key prefix with hash tag, n x 8-byte
-# block key, with the load hash: the router id whose entries to skip, its presence's ttl ms]
-# Returns {matches, stats, homes, load, lookahead}: lookahead the partition's lookahead hash
+# block key, the router id whose entries in the load hash to skip and its presence's ttl ms
+# (read only with the load hash), a session key (8 bytes, or empty)]
+# Returns {matches, stats, homes, load, lookahead, session}: session [replica, age ms] of the
+# session key's live home record, or empty; lookahead the partition's lookahead hash
 # (replica -> tokens after each block its engine hashes, tracker.core.keys); load_snapshot of the
 # load hash when given (one round
 # trip for a router's whole view), else empty; matches a flat array [replica, matched blocks,
@@ -383,10 +385,22 @@ if #horder > 0 then
     end
   end
 end
+local session = {}
+if ARGV[5] and #ARGV[5] == 8 then
+  local h = redis.call('HGET', block_bucket(hprefix, ARGV[5]), ARGV[5])
+  if h and #h >= 14 then
+    clock = clock or now_ms()
+    if expiry_of(h, 7) > clock then
+      local b1, b2 = string.byte(h, 1, 2)
+      local name = redis.call('HGET', KEYS[1], b1 * 256 + b2)
+      if name then session = {name, clock - expiry_of(h, 1)} end
+    end
+  end
+end
 local load = {}
 if KEYS[2] then load = load_snapshot(KEYS[2], ARGV[3], tonumber(ARGV[4])) end
 local ahead = redis.call('HGETALL', ARGV[1] .. ':lookahead')
-if #order == 0 then return {{}, stats, named, load, ahead} end
+if #order == 0 then return {{}, stats, named, load, ahead, session} end
 local names = redis.call('HMGET', KEYS[1], unpack(order))
 local out = {}
 for k, rid in ipairs(order) do
@@ -395,7 +409,7 @@ for k, rid in ipairs(order) do
     for slot = 1, 6 do out[#out + 1] = runs[rid][slot] end
   end
 end
-return {out, stats, named, load, ahead}
+return {out, stats, named, load, ahead, session}
 """
 )
 

@@ -219,16 +219,23 @@ class MemoryIndex:
         *,
         load_except: str | None = None,
         load_ttl_s: float = LOAD_TTL_S,
+        session: int | None = None,
     ) -> Survey:
-        return self._survey(namespace, keys, await self.lookup(namespace, keys))
+        return self._survey(namespace, keys, await self.lookup(namespace, keys), session)
 
-    def survey_now(self, namespace: Namespace, keys: Sequence[int]) -> Survey | None:
+    def survey_now(
+        self, namespace: Namespace, keys: Sequence[int], session: int | None = None
+    ) -> Survey | None:
         if not self.synchronous:
             return None
-        return self._survey(namespace, keys, self.lookup_now(namespace, keys))
+        return self._survey(namespace, keys, self.lookup_now(namespace, keys), session)
 
     def _survey(
-        self, namespace: Namespace, keys: Sequence[int], matches: dict[str, Match]
+        self,
+        namespace: Namespace,
+        keys: Sequence[int],
+        matches: dict[str, Match],
+        session: int | None,
     ) -> Survey:
         counts = self._residency.get(namespace.base(), {})
         residency = {r: Residency(n, s) for r, (n, s) in counts.items()}
@@ -237,6 +244,7 @@ class MemoryIndex:
             residency,
             self._walk_homes(namespace, keys),
             lookahead=dict(self._lookahead.get(namespace.base(), {})),
+            session=self._session_home(namespace, session, len(keys)),
         )
 
     async def set_lookahead(self, replica: str, namespace: Namespace, tokens: int) -> None:
@@ -257,6 +265,17 @@ class MemoryIndex:
             replica, at, _ = entry
             homes[replica] = Home(position + 1, now - at)
         return homes
+
+    def _session_home(
+        self, namespace: Namespace, session: int | None, blocks: int
+    ) -> dict[str, Home]:
+        if session is None:
+            return {}
+        entry = self._homes.get(namespace.base(), {}).get(session)
+        now = time.monotonic()
+        if entry is None or entry[2] <= now:
+            return {}
+        return {entry[0]: Home(blocks, now - entry[1])}
 
     async def claim(
         self, namespace: Namespace, replica: str, anchors: Sequence[int], ttl_s: float

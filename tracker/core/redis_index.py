@@ -157,16 +157,21 @@ class RedisIndex:
         *,
         load_except: str | None = None,
         load_ttl_s: float = LOAD_TTL_S,
+        session: int | None = None,
     ) -> Survey:
         nk = self.writer.keys_for(namespace)
         # an empty chain still walks nothing and answers the residency
-        if load_except is None:
-            call = self._lookup(keys=[nk.rname], args=[nk.tag, _chain(keys)])
-        else:
-            ttl_ms = max(1, round(load_ttl_s * 1000))  # as the load board rounds its own
-            args: list[str | bytes | int] = [nk.tag, _chain(keys), load_except, ttl_ms]
-            call = self._lookup(keys=[nk.rname, nk.load], args=args)
-        found, stats, homes, others, ahead = await redis_call("lookup", call)
+        ttl_ms = max(1, round(load_ttl_s * 1000))  # as the load board rounds its own
+        args: list[str | bytes | int] = [
+            nk.tag,
+            _chain(keys),
+            load_except or "",
+            ttl_ms,
+            b"" if session is None else _chain([session]),
+        ]
+        script_keys = [nk.rname] if load_except is None else [nk.rname, nk.load]
+        call = self._lookup(keys=script_keys, args=args)
+        found, stats, homes, others, ahead, home = await redis_call("lookup", call)
         matches: dict[str, Match] = {}
         for i in range(0, len(found), 7):  # name, blocks, GPU, CPU, storage, remote, predicted
             name = found[i].decode()
@@ -184,7 +189,8 @@ class RedisIndex:
         residency = {r: Residency(max(0, n), s) for r, (n, s) in counts.items()}
         load = load_sums(others) if load_except is not None else None
         lookahead = {ahead[i].decode(): int(ahead[i + 1]) for i in range(0, len(ahead) - 1, 2)}
-        return Survey(matches, residency, claims, load, lookahead)
+        sessions = {home[0].decode(): Home(len(keys), max(0, int(home[1])) / 1000)} if home else {}
+        return Survey(matches, residency, claims, load, lookahead, sessions)
 
     async def set_lookahead(self, replica: str, namespace: Namespace, tokens: int) -> None:
         key = self.writer.keys_for(namespace.base()).lookahead
@@ -233,7 +239,9 @@ class RedisIndex:
     def route_now(self, namespace: Namespace, route: Route) -> bool:
         return False  # the index is in Redis: every write is a round trip
 
-    def survey_now(self, namespace: Namespace, keys: Sequence[int]) -> Survey | None:
+    def survey_now(
+        self, namespace: Namespace, keys: Sequence[int], session: int | None = None
+    ) -> Survey | None:
         return None  # the index is in Redis: every read is a round trip
 
     async def predict(

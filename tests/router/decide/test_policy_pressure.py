@@ -181,13 +181,18 @@ def test_ties_go_to_the_least_busy() -> None:
     # now before lately
     mixed = [ReplicaState("a", inflight=1), ReplicaState("b", recent_inflight=1.5)]
     assert all(decide(16, mixed, CONFIG, random.Random(s)).replica == "b" for s in range(20))
-    # a prompt with a home keeps the draw: ordered by recent load, 4 routers drew groups off
-    # their homes to the engines that had been quiet (3.2-3.7 engines per group, not 2.9)
+    # a prompt with a home goes home, however busy the home was lately: ordered by recent
+    # load, 4 routers drew groups off their homes to the engines that had been quiet
+    # (3.2-3.7 engines per group, not 2.9); among the others it keeps the draw
     room = {"cache_blocks": 1000, "resident_blocks": 0}
     homed = [ReplicaState("other", **room), ReplicaState("home", home_blocks=6,
-             recent_inflight=2.0, **room)]  # fmt: skip
-    drawn = Counter(decide(100, homed, CONFIG, random.Random(s)).replica for s in range(40))
-    assert set(drawn) == {"home", "other"}
+             recent_inflight=2.0, **room), ReplicaState("third", **room)]  # fmt: skip
+    scores = decide(100, homed, CONFIG, random.Random(0)).scores
+    assert max(s.score for s in scores) - min(s.score for s in scores) < CONFIG.tie_epsilon_ms
+    assert all(decide(100, homed, CONFIG, random.Random(s)).replica == "home" for s in range(20))
+    away = homed[:1] + homed[2:]
+    drawn = Counter(decide(100, away, CONFIG, random.Random(s)).replica for s in range(40))
+    assert set(drawn) == {"other", "third"}
 
 
 def test_a_new_prefix_tie_goes_to_the_replica_serving_the_fewest_groups() -> None:

@@ -61,6 +61,7 @@ def test_completion_prompt_shapes(prompt: object, first: object, batch: int) -> 
         ("completions", {"prompt": []}, "prompt"),
         ("completions", {"prompt": [1, "a"]}, "prompt"),
         ("completions", {"prompt": "x", "cache_salt": 3}, "cache_salt"),
+        ("completions", {"prompt": "x", "prompt_cache_key": 7}, "prompt_cache_key"),
         ("index", {"token_ids": ["a"]}, "token_ids"),
         ("index", {}, None),
     ],
@@ -70,6 +71,17 @@ def test_bad_shapes_name_the_field(endpoint: str, body: object, param: str | Non
         parse(_raw(body), endpoint)  # type: ignore[arg-type]
     assert info.value.param == param
     assert info.value.status == 400
+
+
+def test_a_session_is_the_prompt_cache_key_else_the_header() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse(_raw(body), "chat").session is None
+    assert parse(_raw(body), "chat", "from-header").session == "from-header"
+    keyed = {**body, "prompt_cache_key": "agent-1"}
+    assert parse(_raw(keyed), "chat", "from-header").session == "agent-1"
+    assert parse(_raw({**body, "prompt_cache_key": ""}), "chat", "").session is None
+    # the key is the engine's too: passed on untouched
+    assert parse(_raw(keyed), "chat").body["prompt_cache_key"] == "agent-1"
 
 
 def test_streams_always_ask_upstream_for_usage() -> None:
