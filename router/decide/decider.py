@@ -294,11 +294,8 @@ class Decider:
                     cache_blocks=replica.cache_blocks,
                     resident_blocks=resident.blocks if resident is not None else None,
                     churn=churn[replica.id],
-                    # a session's home claims its whole prompt; a chain's, its anchors' depth
-                    home_blocks=max(
-                        self._home(view.homes.get(replica.id)),
-                        self._home(view.session.get(replica.id)),
-                    ),
+                    home_blocks=self._home(view.homes.get(replica.id)),
+                    session_home=replica.id in view.session,
                     valued_blocks=(
                         self.reuse.valued(replica.id, resident.blocks if resident else None)
                         if self.reuse

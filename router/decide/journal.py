@@ -70,6 +70,7 @@ class DecisionJournal:
                 "cache_blocks": state.cache_blocks,
                 "churn": None if state.churn is None else round(state.churn, 3),
                 "home": round(state.home_blocks, 1),
+                "session_home": state.session_home,
             }
         line = {
             "t": round(time.time(), 4),

@@ -31,16 +31,17 @@ def _busyness(state: ReplicaState, fleet: Fleet) -> tuple[int, int, float]:
     return state.prefixes, active_requests(state), round(state.recent_inflight, 3)
 
 
-def _near_order(score: Score) -> tuple[int, int]:
+def _near_order(score: Score, state: ReplicaState) -> tuple[int, ...]:
     """Which of the candidates within ``tie_ratio`` of the best comes first (least): the
-    prompt's home (the least split claim), then the one holding most of the prompt."""
-    return round(score.split_tokens), -score.matched_tokens
+    prompt's home (the least split claim), the session's, then the one holding most of the
+    prompt."""
+    return round(score.split_tokens), not state.session_home, -score.matched_tokens
 
 
-def _exact_order(score: Score) -> tuple[int, int]:
+def _exact_order(score: Score, state: ReplicaState) -> tuple[int, ...]:
     """Which of exactly tied candidates comes first (least): the one holding most of the
-    prompt, then the prompt's home."""
-    return -score.matched_tokens, round(score.split_tokens)
+    prompt, then the prompt's home, then the session's."""
+    return -score.matched_tokens, round(score.split_tokens), not state.session_home
 
 
 def decide(
@@ -53,8 +54,9 @@ def decide(
     """Score every candidate and pick one.
 
     ``mode="ttft"``: the best score. Candidates within ``tie_epsilon_ms`` of the best are an
-    exact tie and go to the deepest chain, then to the prompt's home; within ``tie_ratio``
-    of it a near-tie, which goes to the prompt's home, then to the deepest chain. What is
+    exact tie and go to the deepest chain, then to the prompt's home, then to the session's;
+    within ``tie_ratio`` of it a near-tie, which goes to the prompt's home, the session's,
+    then to the deepest chain. What is
     still tied goes to the least busy (:func:`_busyness`), then at random.
     ``temperature > 0`` instead samples with probability ``exp((score - best) /
     temperature)`` (temperature in ms).
@@ -80,12 +82,12 @@ def decide(
         tied = [i for i, v in enumerate(values) if v >= best - epsilon]
         ratio = config.tie_ratio * -best if config.mode == "ttft" else 0.0
         near = [i for i, v in enumerate(values) if v >= best - ratio]
-        if len(near) > len(tied):  # within the estimate's error: the home, the deepest chain
-            first = min(_near_order(scores[i]) for i in near)
-            tied = [i for i in near if _near_order(scores[i]) == first]
-        else:  # an exact tie: the deepest chain, then the home (a session's next turn)
-            first = min(_exact_order(scores[i]) for i in tied)
-            tied = [i for i in tied if _exact_order(scores[i]) == first]
+        # within the estimate's error: the homes, the deepest chain; an exact tie: the
+        # deepest chain, then the homes (a session's next turn)
+        order = _near_order if len(near) > len(tied) else _exact_order
+        pool = near if len(near) > len(tied) else tied
+        first = min(order(scores[i], candidates[i]) for i in pool)
+        tied = [i for i in pool if order(scores[i], candidates[i]) == first]
         if len(tied) > 1:  # the least busy; at random
             fewest = min(_busyness(candidates[i], fleet) for i in tied)
             tied = [i for i in tied if _busyness(candidates[i], fleet) == fewest]

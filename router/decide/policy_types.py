@@ -52,6 +52,8 @@ class ReplicaState:
         mean; from the rate its events store new blocks); None when unknown.
     :param home_blocks: how much of the prompt's chain routers last sent here (its home
         claim, faded with age), whether or not those blocks are still cached.
+    :param session_home: the request's session (``prompt_cache_key`` or the session header)
+        was last routed here: ties go here, the score does not change.
     :param routed_at_scrape: of the engine's requests when ``kv_usage`` was scraped, those
         taken as the routers' (the rest came from other clients: ``EngineLoad.routed``);
         None: unknown, every running request counts as the routers'.
@@ -89,6 +91,7 @@ class ReplicaState:
     matched_storage_blocks: int = 0
     matched_remote_blocks: int = 0
     prefixes: int = 0
+    session_home: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -277,3 +277,19 @@ def test_a_scrape_taken_while_the_last_request_ran_does_not_make_home_busy() -> 
     outside = full("home", engine_running=3, engine_waiting=1, routed_at_scrape=1, inflight=1)
     own = score_replica(PROMPT, outside, CONFIG)
     assert own.compute_ms == pytest.approx(DEFAULT_SPEED.prefill_ms_per_token * PROMPT * 4)
+
+
+def test_a_session_home_takes_ties_and_nothing_more() -> None:
+    """A session's home wins where the score cannot tell (a turn sharing no block with any
+    cache), after the prompt's own home; a cached hit or an idle engine elsewhere still wins."""
+    room = {"cache_blocks": 1000, "resident_blocks": 0}
+    fresh = [ReplicaState("a", **room), ReplicaState("b", session_home=True, **room),
+             ReplicaState("c", **room)]  # fmt: skip
+    assert all(decide(800, fresh, CONFIG, random.Random(s)).replica == "b" for s in range(20))
+    homed = [fresh[0], fresh[1], ReplicaState("c", home_blocks=10, **room)]
+    assert all(decide(800, homed, CONFIG, random.Random(s)).replica == "c" for s in range(20))
+    cached = [ReplicaState("a", matched_blocks=40, matched_gpu_blocks=40, **room), fresh[1]]
+    assert decide(800, cached, CONFIG, random.Random(0)).replica == "a"
+    busy = [fresh[0], ReplicaState("b", session_home=True, inflight=4,
+            queued_prefill_tokens=20_000, **room)]  # fmt: skip
+    assert decide(800, busy, CONFIG, random.Random(0)).replica == "a"
