@@ -14,7 +14,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from bench.workloads import Conversation, Workload, messages, text
+from bench.workloads import Workload, text, walk
 from publishers.config import EngineShape
 from publishers.sim.latency import LatencyProfile, load_profile
 from tracker.core.blocks import Namespace, block_keys
@@ -59,52 +59,55 @@ def latency_profile(engine: EngineShape) -> LatencyProfile:
     return load_profile(engine.profile, floor_ms=engine.floor_ms)
 
 
-def _prompt_ids(tokenizer: Tokenizer, workload: Workload) -> list[tuple[list[int], int]]:
-    """Each turn's prompt token ids and its output budget."""
-    return [(ids, max_tokens) for _, ids, max_tokens in _turns(tokenizer, workload)]
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """One request as the engines see it: planned arrival, length, block chain, output."""
+
+    at_s: float
+    tokens: int
+    chain: list[int]
+    outputs: int
 
 
-def _turns(tokenizer: Tokenizer, workload: Workload) -> list[tuple[Conversation, list[int], int]]:
-    """Every turn's conversation, prompt token ids (as the engine sees them) and output budget."""
+def _prompts(tokenizer: Tokenizer, workload: Workload, namespace: Namespace) -> list[_Prompt]:
+    """Every request (subagents' too), in the order a closed loop sends each session's:
+    histories carry planned answers, else stand-ins of the configured length. Each arrives
+    at its session's start plus its planned send (open loop; 0 otherwise)."""
     rng = random.Random("capacity")
     out = []
-    for conversation in workload.conversations:
-        answers: list[str] = []
-        for i, turn in enumerate(conversation.turns):
+    for session in workload.conversations:
+        for request in walk(session, lambda turn: text(rng, turn.max_tokens)):
+            conversation, turn = request.conversation, request.conversation.turns[request.turn]
             if conversation.raw:
                 ids = tokenizer.prompt_token_ids(turn.user)
             else:
-                ids = tokenizer.chat_token_ids(
-                    messages(conversation, i, answers), add_generation_prompt=True
-                )
-            out.append((conversation, ids, turn.max_tokens))
-            answers.append(text(rng, turn.max_tokens))
+                ids = tokenizer.chat_token_ids(request.messages, add_generation_prompt=True)
+            chain = block_keys(ids, namespace)
+            out.append(_Prompt(session.start_s + request.at_s, len(ids), chain, turn.max_tokens))
     return out
 
 
 def measure_shape(workload: Workload, block_size: int, tokenizer: Tokenizer) -> WorkloadShape:
     """Reuse structure of ``workload`` in ``block_size`` blocks (see the module docstring)."""
-    namespace = Namespace("capacity", block_size)
-    prompts = _prompt_ids(tokenizer, workload)
-    chains = [block_keys(ids, namespace) for ids, _ in prompts]
-    uses: Counter[int] = Counter(key for chain in chains for key in set(chain))
+    prompts = _prompts(tokenizer, workload, Namespace("capacity", block_size))
+    uses: Counter[int] = Counter(key for p in prompts for key in set(p.chain))
     seen: set[int] = set()
     unique = private = 0.0
-    for (ids, outputs), chain in zip(prompts, chains, strict=True):
-        new = sum(1 for key in chain if key not in seen)
-        seen.update(chain)
-        unique += new * block_size + len(ids) - len(chain) * block_size
-        own = sum(1 for key in chain if uses[key] == 1)
-        private += own + math.ceil((len(ids) - len(chain) * block_size + outputs) / block_size)
+    for p in prompts:
+        new = sum(1 for key in p.chain if key not in seen)
+        seen.update(p.chain)
+        unique += new * block_size + p.tokens - len(p.chain) * block_size
+        own = sum(1 for key in p.chain if uses[key] == 1)
+        private += own + math.ceil((p.tokens - len(p.chain) * block_size + p.outputs) / block_size)
     n = max(1, len(prompts))
     return WorkloadShape(
         requests=len(prompts),
-        prompt_tokens=sum(len(ids) for ids, _ in prompts) / n,
-        output_tokens=sum(o for _, o in prompts) / n,
+        prompt_tokens=sum(p.tokens for p in prompts) / n,
+        output_tokens=sum(p.outputs for p in prompts) / n,
         unique_tokens=unique / n,
         shared_blocks=sum(1 for count in uses.values() if count > 1),
         private_blocks=private / n,
-        longest_request=max((len(ids) + out for ids, out in prompts), default=0),
+        longest_request=max((p.tokens + p.outputs for p in prompts), default=0),
     )
 
 
@@ -201,33 +204,23 @@ def ttft_floors(workload: Workload, engine: EngineShape, tokenizer: Tokenizer) -
     finite fleet reaches under load.
     """
     size = engine.block_size
-    namespace = Namespace("floor", size)
     profile = latency_profile(engine)
     max_num_batched_tokens = engine.max_num_batched_tokens
-    ordered = sorted(
-        (c.start_s, i, ids) for i, (c, ids) in enumerate(_conversation_prompts(tokenizer, workload))
-    )
+    prompts = _prompts(tokenizer, workload, Namespace("floor", size))
+    ordered = sorted(range(len(prompts)), key=lambda i: (prompts[i].at_s, i))
     seen: set[int] = set()
     out = []
-    for _, _, ids in ordered:
-        chain = block_keys(ids, namespace)
+    for p in (prompts[i] for i in ordered):
         cached = 0
-        for key in chain[: max(0, (len(ids) - 1) // size)]:
+        for key in p.chain[: max(0, (p.tokens - 1) // size)]:
             if key not in seen:
                 break
             cached += size
-        seen.update(chain)
+        seen.update(p.chain)
         ms, done = 0.0, cached
-        while done < len(ids):
-            chunk = min(max_num_batched_tokens, len(ids) - done)
+        while done < p.tokens:
+            chunk = min(max_num_batched_tokens, p.tokens - done)
             ms += profile.step_ms([(chunk, done)], [])
             done += chunk
         out.append(ms)
     return out
-
-
-def _conversation_prompts(
-    tokenizer: Tokenizer, workload: Workload
-) -> list[tuple[Conversation, list[int]]]:
-    """Each turn's prompt with its conversation (later turns arrive after earlier ones)."""
-    return [(conversation, ids) for conversation, ids, _ in _turns(tokenizer, workload)]

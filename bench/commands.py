@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from bench.agents import AgentShape, agents
 from bench.capacity import capacity, measure_shape
 from bench.fleet import FleetConfig
 from bench.harness import POLICIES, Harness
@@ -25,6 +26,7 @@ from bench.workloads import (
     mooncake,
     multi_turn,
     no_sharing,
+    planned_span,
     shared_prefix,
     with_poisson_arrivals,
 )
@@ -67,6 +69,11 @@ SIZES: Final[dict[str, dict[str, tuple[int, int]]]] = {
 }
 """Per workload, the (default, ``--quick``) value of each size setting left unset."""
 _QUICK_GSP: Final = {name: quick for name, (_, quick) in SIZES["gsp"].items()}
+AGENTS: Final = AgentShape()
+"""The ``agents`` workload's defaults; each of its fields is the setting ``agents_<field>``."""
+AGENTS_BLOCKS: Final = 16384
+"""The ``agents`` workload's engines when ``--num-blocks`` is unset: 262k tokens each, room
+for two or three of its sessions at their ~100k-token end (4,096 would not hold one)."""
 
 
 def _defaults(name: str) -> str:
@@ -120,7 +127,7 @@ class BenchSettings(LogSettings):
     num_blocks: int | None = setting(
         None,
         f"KV-cache blocks per engine, {FULL.block_size} tokens each "
-        f"(default {FULL.num_blocks}; quick {QUICK.num_blocks})",
+        f"(default {FULL.num_blocks}, agents {AGENTS_BLOCKS}; quick {QUICK.num_blocks})",
     )
     groups: int | None = setting(None, f"gsp/llmd: prefix groups ({_defaults('groups')})")
     prompts_per_group: int | None = setting(
@@ -139,6 +146,42 @@ class BenchSettings(LogSettings):
     trace: str | None = setting(None, "trace: Mooncake JSONL file (default: the bundled sample)")
     speedup: float = setting(1.0, "trace: replay this many times faster than its timestamps")
     max_requests: int | None = setting(None, "trace: replay at most this many requests")
+    agents_sessions: int = setting(AGENTS.sessions, "agents: sessions")
+    agents_turns: int = setting(AGENTS.turns, "agents: turns per session")
+    agents_preamble_tokens: int = setting(
+        AGENTS.preamble_tokens, "agents: tool/instruction preamble every session shares"
+    )
+    agents_context_tokens: int = setting(
+        AGENTS.context_tokens, "agents: each session's own repository context"
+    )
+    agents_task_tokens: int = setting(
+        AGENTS.task_tokens, "agents: task text of a session and of each subagent"
+    )
+    agents_growth_tokens: int = setting(
+        AGENTS.growth_tokens, "agents: mean tool result added per turn (uniform 1/4 to 7/4 of it)"
+    )
+    agents_output_tokens: int = setting(
+        AGENTS.output_tokens, "agents: mean answer tokens (uniform 1/2 to 3/2 of it)"
+    )
+    agents_think_s: float = setting(
+        AGENTS.think_s, "agents: mean tool time before each request (exponential, simulated s)"
+    )
+    agents_fanout: int = setting(
+        AGENTS.fanout, "agents: subagents each burst starts at once (1: no subagents)"
+    )
+    agents_fanout_every: int = setting(
+        AGENTS.fanout_every, "agents: a burst after every this many turns of a session"
+    )
+    agents_subagent_turns: int = setting(AGENTS.subagent_turns, "agents: turns per subagent")
+    agents_closed_loop: bool = setting(
+        AGENTS.closed_loop,
+        "agents: each request waits for the answer it follows (default: planned sends)",
+    )
+    agents_key: bool = setting(
+        AGENTS.key,
+        "agents: send the session key (prompt_cache_key, x-session-id) and x-agent-id; "
+        "--no-agents-key measures routing without them",
+    )
     router_args: tuple[str, ...] = setting(
         (), "extra flag for every router, repeatable (e.g. --router-args=--tie-epsilon-ms=2)"
     )
@@ -178,6 +221,11 @@ class BenchSettings(LogSettings):
             raise ConfigError("local-index: not with embedded (its index is local already)")
         if not 0 <= self.bypass < 1:
             raise ConfigError("bypass must be in [0, 1)")
+        if self.workload == "agents":
+            try:
+                self.agent_shape()
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.restart_engine_at_s is not None and self.restart_engine_at_s < 0:
             raise ConfigError("restart-engine-at-s must be >= 0")
         if self.vllm is not None:
@@ -193,6 +241,10 @@ class BenchSettings(LogSettings):
     @property
     def policy_list(self) -> tuple[str, ...]:
         return comma_list(self.policies, str)
+
+    def agent_shape(self) -> AgentShape:
+        """The ``agents`` workload's shape: the ``agents_*`` settings."""
+        return AgentShape.from_settings(dataclasses.asdict(self))
 
 
 def _size(settings: BenchSettings, name: str) -> int:
@@ -236,6 +288,8 @@ def build_workload(settings: BenchSettings) -> Workload:
             think_s=s.think_s,
             seed=s.seed,
         )
+    if s.workload == "agents":
+        return agents(s.agent_shape(), s.seed)
     path = Path(s.trace) if s.trace else DEFAULT_TRACE
     if not path.exists():
         raise ConfigError(f"trace file {path} does not exist")
@@ -245,7 +299,8 @@ def build_workload(settings: BenchSettings) -> Workload:
 def plan(settings: BenchSettings) -> Plan:
     """Workload, fleet, capacity and arrival rate for ``settings``."""
     base = QUICK if settings.quick else FULL
-    num_blocks = settings.num_blocks or base.num_blocks
+    default_blocks = AGENTS_BLOCKS if settings.workload == "agents" else base.num_blocks
+    num_blocks = settings.num_blocks or default_blocks
     vllm, tokenizer = None, Tokenizer.builtin()
     if settings.vllm is not None:
         model = Path(settings.vllm_model)
@@ -278,6 +333,13 @@ def plan(settings: BenchSettings) -> Plan:
             f"tokenizer counts them) does not fit vLLM's max-model-len {vllm.max_model_len}: "
             "shorten the prompts"
         )
+    room = fleet.num_blocks * fleet.block_size
+    if shape.longest_request > room:
+        raise ConfigError(
+            f"a request of {shape.longest_request} tokens (prompt and output) does not fit an "
+            f"engine's KV cache of {fleet.num_blocks} blocks ({room} tokens): raise "
+            "--num-blocks or shorten the prompts"
+        )
     cap = capacity(shape, fleet, replicas)
     if workload.timed:
         duration = max((c.start_s for c in workload.conversations), default=0.0)
@@ -285,6 +347,9 @@ def plan(settings: BenchSettings) -> Plan:
     else:
         rate = settings.rate or settings.load * cap.ideal_rps
         workload = with_poisson_arrivals(workload, rate, settings.seed)
+        span = planned_span(workload)
+        if span > 0:  # sessions of planned sends: what arrives is their plan, not the pace
+            rate = workload.requests / span
     load = rate / cap.ideal_rps if cap.ideal_rps else 0.0
     return Plan(workload, fleet, settings.policy_list, shape, cap, rate, load)
 

@@ -3,9 +3,12 @@
 Every request streams; its :class:`Result` holds when it was sent, its first content chunk
 (TTFT) and its end (E2E) in real seconds, its usage's prompt, cached and output tokens, the
 engine that served it and the router's decision time. A conversation's later turn follows
-the previous answer after ``think_s`` and carries the whole history; ``bypass_share`` of the
-conversations go straight to an engine (docs/benchmarks.md, "Measurements" and "Scenario
-knobs").
+the previous answer after ``think_s`` and carries the whole history, and the subagents it
+forks follow that answer at once, the turn after them their last answer (closed loop); or
+every request goes at its planned time with the planned answers in its history (open loop,
+``Conversation.at_s``). A session key goes as ``prompt_cache_key`` and ``x-session-id``, an
+agent's id as ``x-agent-id``. ``bypass_share`` of the conversations go straight to an engine,
+their subagents with them (docs/benchmarks.md, "Measurements" and "Scenario knobs").
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from typing import Any, Final
 import aiohttp
 import msgspec
 
-from bench.workloads import Conversation, Workload, messages
+from bench.workloads import Conversation, Request, Turn, Workload, history, messages, walk
 from router.fleet.upstream import KEEPALIVE_EXPIRY_S
 
 REPLICA_HEADER: Final = "x-kvrouter-replica"
 ENGINE_HEADER: Final = "x-kvrouter-engine"
 DECISION_HEADER: Final = "x-kvrouter-decision-ms"
+SESSION_HEADER: Final = "x-session-id"
+AGENT_HEADER: Final = "x-agent-id"
 MODEL: Final = "default"
 _decode = msgspec.json.Decoder().decode
 
@@ -65,6 +70,10 @@ def _events(data: bytes) -> list[Any]:
     return out
 
 
+def _planned_only(turn: Turn) -> str:
+    raise ValueError("an open-loop conversation carries its planned answers")
+
+
 def _answer_text(events: list[Any], raw: bool) -> str:
     parts = []
     for event in events:
@@ -74,6 +83,30 @@ def _answer_text(events: list[Any], raw: bool) -> str:
             else:
                 parts.append((choice.get("delta") or {}).get("content") or "")
     return "".join(parts)
+
+
+def request_parts(
+    conversation: Conversation, turn: int, chat: list[dict[str, str]]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The body and the headers of ``turn`` (``chat``: its messages, unless raw): the session
+    key as ``prompt_cache_key`` and ``x-session-id``, the agent's own id as ``x-agent-id``."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": conversation.turns[turn].max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if conversation.raw:
+        body["prompt"] = conversation.turns[turn].user
+    else:
+        body["messages"] = chat
+    headers = {}
+    if conversation.key is not None:
+        body["prompt_cache_key"] = conversation.key
+        headers[SESSION_HEADER] = conversation.key
+    if conversation.agent is not None:
+        headers[AGENT_HEADER] = conversation.agent
+    return body, headers
 
 
 class LoadGenerator:
@@ -125,7 +158,7 @@ class LoadGenerator:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             self._started = time.monotonic()
             batches = await asyncio.gather(
-                *(self._conversation(client, c) for c in workload.conversations)
+                *(self._session(client, c) for c in workload.conversations)
             )
         return [result for batch in batches for result in batch]
 
@@ -134,57 +167,94 @@ class LoadGenerator:
         if delay > 0:
             await asyncio.sleep(delay)
 
-    async def _conversation(
+    async def _session(
         self, client: aiohttp.ClientSession, conversation: Conversation
     ) -> list[Result]:
-        await self._sleep_until(conversation.start_s * self.time_scale)
+        """A conversation and its subagents: planned sends (open loop) or each request after
+        the answer it follows (closed loop)."""
         engine = self.target(conversation)
+        if conversation.at_s:
+            return await self._planned(client, conversation, engine)
+        await self._sleep_until(conversation.start_s * self.time_scale)
+        return await self._conversation(client, conversation, engine, ())
+
+    async def _planned(
+        self, client: aiohttp.ClientSession, conversation: Conversation, engine: str | None
+    ) -> list[Result]:
+        """Open loop: every request at its planned time, whether earlier ones answered or not
+        (histories carry the planned answers)."""
+
+        async def send(request: Request) -> Result:
+            at_s = conversation.start_s + request.at_s
+            await self._sleep_until(at_s * self.time_scale)
+            result, _ = await self._send(
+                client, request.conversation, request.turn, request.messages, engine
+            )
+            self._report(result)
+            return result
+
+        return list(await asyncio.gather(*(send(r) for r in walk(conversation, _planned_only))))
+
+    async def _conversation(
+        self,
+        client: aiohttp.ClientSession,
+        conversation: Conversation,
+        engine: str | None,
+        inherited: Sequence[dict[str, str]],
+    ) -> list[Result]:
+        """Closed loop: each turn after the previous answer and its think time; after a turn
+        with a fork, its subagents at once, and the next turn once they have all finished."""
         answers: list[str] = []
         results = []
         for turn in range(len(conversation.turns)):
             if turn:
                 await asyncio.sleep(conversation.think_s[turn - 1] * self.time_scale)
-            result, answer = await self._send(client, conversation, turn, answers, engine)
+            chat = messages(conversation, turn, answers, inherited)
+            want = turn + 1 < len(conversation.turns) or any(conversation.forks_after(turn))
+            result, answer = await self._send(
+                client, conversation, turn, chat, engine, want_text=want
+            )
             answers.append(answer)
             results.append(result)
-            if self.on_result is not None:
-                self.on_result(result)
+            self._report(result)
             if result.error is not None:
                 break  # the history is broken: the rest of the conversation cannot follow
+            for fork in conversation.forks_after(turn):
+                await asyncio.sleep(fork.think_s * self.time_scale)
+                base = history(conversation, turn, answers, inherited)
+                batches = await asyncio.gather(
+                    *(self._conversation(client, a, engine, base) for a in fork.agents)
+                )
+                results += [r for batch in batches for r in batch]
         return results
 
-    def _body(self, conversation: Conversation, turn: int, answers: list[str]) -> dict[str, Any]:
-        common = {
-            "model": MODEL,
-            "max_tokens": conversation.turns[turn].max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if conversation.raw:
-            return {**common, "prompt": conversation.turns[turn].user}
-        return {**common, "messages": messages(conversation, turn, answers)}
+    def _report(self, result: Result) -> None:
+        if self.on_result is not None:
+            self.on_result(result)
 
     async def _send(
         self,
         client: aiohttp.ClientSession,
         conversation: Conversation,
         turn: int,
-        answers: list[str],
+        chat: list[dict[str, str]],
         engine: str | None,
+        *,
+        want_text: bool = False,
     ) -> tuple[Result, str]:
         path = "/v1/completions" if conversation.raw else "/v1/chat/completions"
-        body = self._body(conversation, turn, answers)
-        want_text = turn + 1 < len(conversation.turns)
+        body, headers = request_parts(conversation, turn, chat)
         sent = time.monotonic()
         result = Result(
             conversation.id, turn, conversation.group, sent - self._started, bypass=bool(engine)
         )
         chunks: list[bytes] = []
         try:
-            async with client.post((engine or self.url) + path, json=body) as response:
-                headers = response.headers
-                result.replica = headers.get(ENGINE_HEADER) or headers.get(REPLICA_HEADER) or ""
-                decision = response.headers.get(DECISION_HEADER)
+            url = (engine or self.url) + path
+            async with client.post(url, json=body, headers=headers) as response:
+                got = response.headers
+                result.replica = got.get(ENGINE_HEADER) or got.get(REPLICA_HEADER) or ""
+                decision = got.get(DECISION_HEADER)
                 result.decision_ms = float(decision) if decision else None
                 if response.status != 200:
                     text = await response.text(errors="replace")

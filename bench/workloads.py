@@ -1,10 +1,10 @@
 """Benchmark workloads: conversations of turns with arrival times, each reproducible by seed.
 
 ``gsp`` (SGLang's generated shared prefix), ``llmd`` (llm-d's shared prefix shape),
-``multiturn`` (multi-round chat whose turns carry the engine's real answers), ``nosharing``
-and ``trace`` (a Mooncake JSONL trace, :mod:`bench.traces`); text is sized for the built-in
-byte-level tokenizer, one character a token. Shapes and defaults: docs/benchmarks.md,
-"Workloads".
+``multiturn`` (multi-round chat whose turns carry the engine's real answers), ``nosharing``,
+``trace`` (a Mooncake JSONL trace, :mod:`bench.traces`) and ``agents`` (coding-agent sessions
+with subagent fan-out, :mod:`bench.agents`); text is sized for the built-in byte-level
+tokenizer, one character a token. Shapes and defaults: docs/benchmarks.md, "Workloads".
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import dataclasses
 import json
 import random
 import string
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 ALPHABET: Final = string.ascii_lowercase + "      "  # ~1 space per 5 letters: word-like
 TRACE_BLOCK_TOKENS: Final = 512
-WORKLOADS: Final = ("gsp", "llmd", "multiturn", "nosharing", "trace")
+WORKLOADS: Final = ("gsp", "llmd", "multiturn", "nosharing", "trace", "agents")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,13 @@ class Conversation:
     :param system: system prompt (chat requests); ignored when ``raw``.
     :param think_s: simulated seconds between an answer and the next turn, per turn.
     :param raw: send each turn as a ``/v1/completions`` prompt, without a chat template.
+    :param key: session key, sent as ``prompt_cache_key`` and ``x-session-id`` (None: none).
+    :param agent: this conversation's own agent id, sent as ``x-agent-id`` (None: none).
+    :param forks: subagents it starts at once after some of its turns (:class:`Fork`).
+    :param answers: planned answers (open loop): the history carries these instead of the
+        engine's, so no turn waits for an answer; empty: each turn follows its answer.
+    :param at_s: open loop: each turn's planned send time, simulated seconds after the start
+        of the session it belongs to (its root conversation); empty: closed loop.
     """
 
     id: int
@@ -49,6 +56,33 @@ class Conversation:
     start_s: float = 0.0
     think_s: tuple[float, ...] = ()
     raw: bool = False
+    key: str | None = None
+    agent: str | None = None
+    forks: tuple[Fork, ...] = ()
+    answers: tuple[str, ...] = ()
+    at_s: tuple[float, ...] = ()
+
+    @property
+    def requests(self) -> int:
+        """Its turns and those of every subagent it starts."""
+        return len(self.turns) + sum(a.requests for f in self.forks for a in f.agents)
+
+    def forks_after(self, turn: int) -> Iterator[Fork]:
+        """The forks that start when ``turn`` is answered."""
+        return (fork for fork in self.forks if fork.after == turn)
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """Subagents a conversation starts at once, ``think_s`` after its turn ``after`` is
+    answered: each carries the parent's whole history so far, then its own turns (the first
+    one its task). The parent's next turn follows the last subagent's last answer (closed
+    loop) or planned send (open loop), its own think time later.
+    """
+
+    after: int
+    agents: tuple[Conversation, ...]
+    think_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +99,7 @@ class Workload:
 
     @property
     def requests(self) -> int:
-        return sum(len(c.turns) for c in self.conversations)
+        return sum(c.requests for c in self.conversations)
 
     def describe(self) -> str:
         shown = ", ".join(f"{k}={v}" for k, v in self.params.items() if k != "trace")
@@ -246,7 +280,10 @@ def mooncake(path: Path, *, speedup: float, max_requests: int | None, seed: int)
 def with_poisson_arrivals(workload: Workload, rate: float, seed: int) -> Workload:
     """Conversation starts as a Poisson process of ``rate`` requests per simulated second.
 
-    Multi-turn conversations start at ``rate / turns``, so requests arrive at about ``rate``.
+    Multi-turn conversations (agent sessions: with their subagents' requests) start at
+    ``rate / requests per conversation``, so requests arrive at about ``rate`` once many
+    conversations overlap; a subagent's and an open loop's planned sends move with the start
+    of their session.
     """
     if rate <= 0:
         raise ValueError("rate must be positive")
@@ -259,13 +296,70 @@ def with_poisson_arrivals(workload: Workload, rate: float, seed: int) -> Workloa
     return dataclasses.replace(workload, conversations=tuple(out), timed=False)
 
 
-def messages(conversation: Conversation, turn: int, answers: list[str]) -> list[dict[str, str]]:
-    """The chat messages of ``turn``: system, then every earlier turn and its answer."""
-    out = (
-        [] if conversation.system is None else [{"role": "system", "content": conversation.system}]
-    )
+def planned_span(workload: Workload) -> float:
+    """Simulated seconds from the start to the last planned send (0: nothing planned)."""
+
+    def last(conversation: Conversation) -> float:
+        agents = (a for f in conversation.forks for a in f.agents)
+        return max((conversation.at_s[-1], *(last(a) for a in agents)))
+
+    return max((c.start_s + last(c) for c in workload.conversations if c.at_s), default=0.0)
+
+
+def messages(
+    conversation: Conversation,
+    turn: int,
+    answers: Sequence[str],
+    inherited: Sequence[dict[str, str]] = (),
+) -> list[dict[str, str]]:
+    """The chat messages of ``turn``: system (or a subagent's ``inherited`` history, its
+    parent's messages), then every earlier turn and its answer."""
+    out = list(inherited)
+    if not inherited and conversation.system is not None:
+        out.append({"role": "system", "content": conversation.system})
     for i in range(turn):
         out.append({"role": "user", "content": conversation.turns[i].user})
         out.append({"role": "assistant", "content": answers[i]})
     out.append({"role": "user", "content": conversation.turns[turn].user})
     return out
+
+
+def history(
+    conversation: Conversation,
+    turn: int,
+    answers: Sequence[str],
+    inherited: Sequence[dict[str, str]] = (),
+) -> list[dict[str, str]]:
+    """The messages through ``turn`` and its answer: what a fork after ``turn`` inherits."""
+    out = messages(conversation, turn, answers, inherited)
+    out.append({"role": "assistant", "content": answers[turn]})
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a walk through a session (:func:`walk`)."""
+
+    conversation: Conversation
+    turn: int
+    messages: list[dict[str, str]]
+    at_s: float  # planned send, simulated s after the session's start (0: closed loop)
+
+
+def walk(
+    conversation: Conversation,
+    stand_in: Callable[[Turn], str],
+    inherited: Sequence[dict[str, str]] = (),
+) -> Iterator[Request]:
+    """Every request of ``conversation`` and its subagents in the order a closed loop sends
+    them: each turn, then the subagents forked after it (one after the other), then the next
+    turn. Histories carry the planned answers, else ``stand_in`` of the turn."""
+    answers: list[str] = []
+    for turn, spec in enumerate(conversation.turns):
+        at_s = conversation.at_s[turn] if conversation.at_s else 0.0
+        yield Request(conversation, turn, messages(conversation, turn, answers, inherited), at_s)
+        answers.append(conversation.answers[turn] if conversation.answers else stand_in(spec))
+        for fork in conversation.forks_after(turn):
+            base = history(conversation, turn, answers, inherited)
+            for agent in fork.agents:
+                yield from walk(agent, stand_in, base)

@@ -43,7 +43,7 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-AXES: Final = ("cache", "load", "routers", "bypass", "restart", "conversation")
+AXES: Final = ("cache", "load", "routers", "bypass", "restart", "conversation", "agents")
 # 10 groups x 32: 3 % of the requests are their group's first (cold), so TTFT p95 measures
 # the hits and what delays them, p99 the cold prefills (with 5 % cold, p95 sat on the edge
 # and one extra miss moved it by half)
@@ -63,6 +63,44 @@ PRESSURE: Final = 700  # blocks: the 10 prefixes (3,010 blocks) do not fit in 4 
 # settle, and the best of three peers' noisy values sits below what each would give: those
 # cells pool three seeds (docs/benchmarks.md, "Seeds").
 LIGHT_SEEDS: Final = 3
+# Coding agents (--workload agents), sized to run in two to three minutes per arm on a 2-core
+# host: 8 sessions (two per engine) of 12 turns, prompts from 18k tokens (a 3k preamble shared
+# by all, 15k of own repository context) to ~39k, 1.5k-token tool results, 64-token answers,
+# 2 s tool time, one burst of subagents after turn 6 of each session (2 turns each), open loop
+# so that every policy gets the same sends. A session's history ends near 2,400 blocks, the 8
+# of them near 19,500: 8,192 blocks per engine hold them 1.7 times over (roomy); 5,120 just
+# hold two sessions per engine, until a burst's subagents add their own ~115 blocks each (32
+# of them overflow their home: spill or queue); 3,072 hold 0.6 of them (pressure). 7 req/s
+# paces the session starts (rate / requests per session): the base's sessions (28 requests
+# each) start at 0.25/s, last ~36 s, so most of them overlap while their bursts (~6 s each)
+# mostly do not; fan-out 32 (76 requests a session) starts them 2.7 times further apart, so
+# that its bursts do not pile up either: with its sessions at 0.25/s too, its 8 bursts came
+# within ~30 s of each other, 12 req/s against 5.2 of ideal capacity, and every policy
+# queued for seconds (kvrouter's TTFT p50 12.5 s, round-robin's 14.7 s). The last planned
+# send comes 53 simulated s in (fan-out 1: 36, fan-out 32: 70; seed 1); time scale 2.
+AGENTS_BASE: Final[dict[str, Any]] = {
+    "workload": "agents",
+    "replicas": 4,
+    "num_blocks": 5120,
+    "time_scale": 2.0,
+    "agents_sessions": 8,
+    "agents_turns": 12,
+    "agents_preamble_tokens": 3000,
+    "agents_context_tokens": 15000,
+    "agents_task_tokens": 200,
+    "agents_growth_tokens": 1500,
+    "agents_output_tokens": 64,
+    "agents_think_s": 2.0,
+    "agents_fanout": 8,
+    "agents_fanout_every": 6,
+    "agents_subagent_turns": 2,
+    "rate": 7.0,
+}
+
+
+def _agents(**changes: Any) -> dict[str, Any]:
+    """An agents cell: the base with ``changes``."""
+    return {**AGENTS_BASE, **changes}
 
 
 def cells(axes: Sequence[str] = AXES) -> list[Cell]:
@@ -118,5 +156,16 @@ def cells(axes: Sequence[str] = AXES) -> list[Cell]:
             Cell("conversation", "multi-turn", fits),
             Cell("conversation", "multi-turn 2x KV", chat),
             Cell("conversation", "trace", trace),
+        ]
+    if "agents" in axes:
+        # kvrouter must win outright on bursts, pressure and several routers (issue 40);
+        # without subagents (fan-out 1) a tie with the best peer meets the goal
+        out += [
+            Cell("agents", "8192 roomy", _agents(num_blocks=8192), events=True),
+            Cell("agents", "5120, fan-out 8, 1 router (base)", _agents(), events=True),
+            Cell("agents", "3072 pressure", _agents(num_blocks=3072), events=True),
+            Cell("agents", "4 routers", _agents(routers=4), events=True),
+            Cell("agents", "fan-out 1", _agents(agents_fanout=1)),
+            Cell("agents", "fan-out 32", _agents(agents_fanout=32), events=True),
         ]
     return out

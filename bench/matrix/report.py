@@ -81,6 +81,8 @@ AXIS_TITLES: Final = {
     "bypass": "outside traffic straight to the engines (700 blocks, 8 req/s)",
     "restart": "an engine restarted mid-run (700 blocks, 8 req/s)",
     "conversation": "conversation traffic",
+    "agents": "coding agents: 8 sessions of 18k-39k-token prompts, subagent bursts after turn 6 "
+    "(4 engines, time scale 2)",
 }
 
 

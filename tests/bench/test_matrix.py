@@ -80,6 +80,23 @@ def test_a_cell_plans_with_its_bounds() -> None:
     assert chosen.rate_rps == 8.0
 
 
+def test_the_agents_axis_varies_one_thing_a_cell_with_the_same_session_starts() -> None:
+    matrix = cells(("agents",))
+    by_label = {c.label: c for c in matrix}
+    base = by_label["5120, fan-out 8, 1 router (base)"]
+    for cell in matrix:
+        changed = {k for k in cell.settings if cell.settings[k] != base.settings.get(k)}
+        assert changed <= {"num_blocks", "routers", "agents_fanout"}
+    assert [c.events for c in matrix] == [True, True, True, True, False, True]
+    assert by_label["4 routers"].settings["routers"] == 4
+    plans = [plan(BenchSettings(**by_label[k].settings)) for k in ("fan-out 1", "fan-out 32")]
+    assert [p.workload.params["fanout"] for p in plans] == [1, 32]
+    # one pace for every cell: sessions of more requests start further apart
+    one, many = ([c.start_s for c in p.workload.conversations] for p in plans)
+    assert len(one) == len(many) == 8 and many[-1] > 2 * one[-1]
+    assert all(p.shape.longest_request < 3072 * 16 for p in plans)  # fits the pressure cell
+
+
 def test_verdict_against_the_best_peer_per_metric() -> None:
     cell = Cell("routers", "4", {}, events=True)
     found = verdict(

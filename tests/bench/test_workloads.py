@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import statistics
@@ -9,17 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from bench.capacity import WorkloadShape, capacity, measure_shape
+from bench.agents import AgentShape, agents
+from bench.capacity import WorkloadShape, capacity, measure_shape, ttft_floors
+from bench.loadgen import AGENT_HEADER, SESSION_HEADER, request_parts
 from bench.workloads import (
     TRACE_BLOCK_TOKENS,
+    Conversation,
+    Request,
     Workload,
     block_text,
+    history,
     messages,
     mooncake,
     multi_turn,
     no_sharing,
     shared_prefix,
     trace_prompt,
+    walk,
     with_poisson_arrivals,
 )
 from publishers.config import EngineShape
@@ -178,3 +185,142 @@ def test_capacity_counts_the_cache_that_prefixes_leave_to_running_requests() -> 
     tiny = EngineShape(profile="llama-8b", num_blocks=400, block_size=16)
     starved = capacity(shape(3010), tiny, 4)
     assert starved.ideal_rps >= starved.blind_rps > 0
+
+
+# a small agents shape: bursts of 3 subagents after turns 1 and 3 of 6
+AGENTS = AgentShape(
+    sessions=3, turns=6, preamble_tokens=300, context_tokens=500, task_tokens=40,
+    growth_tokens=200, output_tokens=20, think_s=2.0, fanout=3, fanout_every=2,
+    subagent_turns=2,
+)  # fmt: skip
+
+
+def _planned(conversation: Conversation) -> list[Request]:
+    def unplanned(_: object) -> str:
+        raise AssertionError("an open-loop conversation plans its answers")
+
+    return list(walk(conversation, unplanned))
+
+
+def _ids(request: Request) -> list[int]:
+    return TOKENIZER.chat_token_ids(request.messages, add_generation_prompt=True)
+
+
+def test_agent_sessions_share_a_preamble_and_their_prompts_grow_every_turn() -> None:
+    workload = agents(AGENTS, seed=1)
+    assert workload.requests == AGENTS.requests == 3 * (6 + 2 * 3 * 2)
+    assert len({c.system for c in workload.conversations}) == 1
+    assert len(workload.conversations[0].system or "") == 300
+    firsts = []
+    for session in workload.conversations:
+        own = [r for r in _planned(session) if r.conversation is session]
+        lengths = [len(_ids(r)) for r in own]
+        # each turn adds the answer and a tool result of 1/4 to 7/4 of 200 tokens
+        growth = [b - a for a, b in itertools.pairwise(lengths)]
+        assert all(10 + 50 <= g <= 30 + 350 + 30 for g in growth), growth
+        for before, after in itertools.pairwise(own):  # the history only grows
+            assert after.messages[: len(before.messages)] == before.messages
+        assert len(session.turns[0].user) == 500 + 1 + 40  # context, newline, task
+        firsts.append(session.turns[0].user)
+    assert len(set(firsts)) == 3  # each session its own repository context
+    shape = measure_shape(workload, 16, TOKENIZER)
+    assert shape.requests == workload.requests and 0.7 < shape.ideal_hit_rate < 1.0
+
+
+def test_a_fanout_burst_starts_at_once_from_the_parent_history() -> None:
+    session = agents(AGENTS, seed=1).conversations[0]
+    assert [f.after for f in session.forks] == [1, 3]
+    requests = _planned(session)
+    parent = {r.turn: r for r in requests if r.conversation is session}
+    for fork in session.forks:
+        base = history(session, fork.after, session.answers)
+        inherited = _ids(parent[fork.after])  # the parent's prompt, its generation prompt too
+        starts = set()
+        for agent in fork.agents:
+            first = next(r for r in requests if r.conversation is agent and r.turn == 0)
+            assert first.messages[: len(base)] == base
+            assert first.messages[len(base)] == {"role": "user", "content": agent.turns[0].user}
+            ids = _ids(first)
+            assert ids[: len(inherited)] == inherited and len(ids) > len(inherited)
+            starts.add(agent.at_s[0])
+            # subagents keep the parent's session key; each has its own agent id
+            assert agent.key == session.key and agent.agent not in (None, session.agent)
+        assert len(starts) == 1  # all at once, a think time after the parent's turn
+        (start,) = starts
+        assert start == session.at_s[fork.after] + fork.think_s
+        last = max(a.at_s[-1] for a in fork.agents)
+        assert session.at_s[fork.after + 1] == last + session.think_s[fork.after]
+    texts = [a.turns[0].user for f in session.forks for a in f.agents]
+    assert len(set(texts)) == len(texts)  # every subagent its own task
+
+
+def test_agents_are_seeded_and_keep_their_plan_under_arrivals() -> None:
+    assert agents(AGENTS, seed=1) == agents(AGENTS, seed=1)
+    assert agents(AGENTS, seed=1) != agents(AGENTS, seed=2)
+    workload = with_poisson_arrivals(agents(AGENTS, seed=1), 4.0, seed=1)
+    starts = [c.start_s for c in workload.conversations]
+    assert starts[0] == 0.0 and starts == sorted(starts) and len(set(starts)) == 3
+    # a session moves as a whole: its subagents' plans are relative to its start
+    assert workload.conversations[1].forks == agents(AGENTS, seed=1).conversations[1].forks
+    floors = ttft_floors(workload, EngineShape(num_blocks=4096, block_size=16), TOKENIZER)
+    assert len(floors) == workload.requests
+    keys = {c.key for c in workload.conversations}
+    assert len(keys) == 3 and None not in keys
+    anonymous = agents(dataclasses.replace(AGENTS, key=False), seed=1)
+    assert all(c.key is None and c.agent is None for c in _every(anonymous))
+
+
+def _every(workload: Workload) -> list[Conversation]:
+    out = []
+    for session in workload.conversations:
+        out.append(session)
+        out += [a for f in session.forks for a in f.agents]
+    return out
+
+
+def test_closed_loop_agents_follow_their_answers_in_causal_order() -> None:
+    shape = dataclasses.replace(AGENTS, closed_loop=True)
+    session = agents(shape, seed=1).conversations[0]
+    assert not session.at_s and not session.answers  # no plan: each waits for its answer
+    order = [(r.conversation.id, r.turn) for r in walk(session, lambda t: "x" * t.max_tokens)]
+    subagents = [a.id for f in session.forks for a in f.agents]
+    first, second = subagents[:3], subagents[3:]
+    me = session.id
+    assert order == [
+        (me, 0), (me, 1),
+        *[(a, t) for a in first for t in (0, 1)],
+        (me, 2), (me, 3),
+        *[(a, t) for a in second for t in (0, 1)],
+        (me, 4), (me, 5),
+    ]  # fmt: skip
+    # the open loop sends the same texts after the same think times: only the plan differs
+    assert _unplanned(agents(AGENTS, seed=1)) == agents(shape, seed=1).conversations
+
+
+def _unplanned(workload: Workload) -> tuple[Conversation, ...]:
+    def strip(c: Conversation) -> Conversation:
+        forks = tuple(
+            dataclasses.replace(f, agents=tuple(strip(a) for a in f.agents)) for f in c.forks
+        )
+        return dataclasses.replace(c, answers=(), at_s=(), forks=forks)
+
+    return tuple(strip(c) for c in workload.conversations)
+
+
+def test_every_agent_request_carries_its_session_key_and_agent_id() -> None:
+    session = agents(AGENTS, seed=1).conversations[1]
+    agent = session.forks[0].agents[2]
+    body, headers = request_parts(agent, 0, [{"role": "user", "content": "x"}])
+    assert body["prompt_cache_key"] == session.key == headers[SESSION_HEADER]
+    assert headers[AGENT_HEADER] == agent.agent != session.agent
+    plain = gsp().conversations[0]
+    body, headers = request_parts(plain, 0, messages(plain, 0, []))
+    assert "prompt_cache_key" not in body and not headers
+
+
+def test_agent_shapes_refuse_what_cannot_run() -> None:
+    with pytest.raises(ValueError, match="fanout"):
+        AgentShape(fanout=0)
+    with pytest.raises(ValueError, match="output_tokens"):
+        AgentShape(output_tokens=1)
+    assert AgentShape(fanout=1).bursts == 0 and AgentShape(fanout=8, turns=32).bursts == 3
