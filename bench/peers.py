@@ -1,6 +1,8 @@
-"""The real peer routers as benchmark arms: vllm-router (kv_aware, cache_aware) and SGLang's smg.
+"""The real peer routers as benchmark arms: vllm-router (kv_aware, cache_aware) and SGLang's smg
+(0.3.2 from sglang-router, and 1.13 in its own virtualenv).
 
-Each arm is the peer's own binary (``pip install -e '.[peers]'``), started as its own
+Each arm is the peer's own binary (``pip install -e '.[peers]'``; smg 1.13:
+``scripts/install-smg``, whose ``bin/smg`` would clash with sglang-router's), started as its own
 process(es) on the ports kvrouter's routers use, in front of the same simulated engines, so
 that the client (and haproxy, with several instances) reach it exactly as they reach
 kvrouter; a peer that is not installed is reported and skipped (:func:`missing`). What each
@@ -18,6 +20,8 @@ from typing import Final
 
 from tracker.framework.settings import comma_list
 
+ROOT: Final = Path(__file__).resolve().parent.parent
+
 
 @dataclass(frozen=True, slots=True)
 class Worker:
@@ -32,8 +36,11 @@ class Worker:
 class PeerArm:
     """How to start one peer router instance.
 
-    :param binary: console script name (found next to this interpreter, else on PATH).
+    :param binary: console script name (found next to this interpreter, else on PATH), or
+        its path relative to the repository's root (a peer in a virtualenv of its own).
     :param ready_path: answers 200 once the instance routes (``/readiness`` for smg).
+    :param flags: smg only: what it runs with beyond the flags that start it on its ports
+        and make it ready within a second.
     """
 
     name: str
@@ -42,6 +49,7 @@ class PeerArm:
     ready_path: str
     package: str
     events: bool = False
+    flags: tuple[str, ...] = ()
 
     def argv(
         self,
@@ -55,7 +63,7 @@ class PeerArm:
     ) -> list[str]:
         """The command line of one instance listening on ``127.0.0.1:port``."""
         urls = [w.url for w in workers]
-        if self.binary == "smg":
+        if Path(self.binary).name == "smg":
             return [
                 executable,
                 "launch",
@@ -71,8 +79,7 @@ class PeerArm:
                 str(metrics_port),
                 "--worker-startup-check-interval",
                 "1",
-                "--health-check-interval-secs",
-                "1",
+                *self.flags,
                 "--log-level",
                 "warn",
             ]
@@ -109,14 +116,38 @@ PEERS: Final[dict[str, PeerArm]] = {
     for arm in (
         PeerArm("vllm-kv", "vllm-router", "kv_aware", "/health", "vllm-router", events=True),
         PeerArm("vllm-cache", "vllm-router", "cache_aware", "/health", "vllm-router"),
-        PeerArm("smg", "smg", "cache_aware", "/readiness", "sglang-router"),
+        PeerArm(
+            "smg",
+            "smg",
+            "cache_aware",
+            "/readiness",
+            "sglang-router",
+            flags=("--health-check-interval-secs", "1"),
+        ),
+        # at its defaults, as users run it: engine /metrics scraped every 10 s, an engine
+        # with 8 waiting requests or 80 % KV usage skipped, a 60 s warm-up (docs/benchmarks.md)
+        PeerArm(
+            "smg13",
+            ".peers/smg13/bin/smg",
+            "cache_aware",
+            "/readiness",
+            "smg==1.13.0",
+            flags=("--prometheus-host", "127.0.0.1"),
+        ),
     )
 }
-INSTALL_HINT: Final = "pip install -e '.[peers]'  (vllm-router==0.1.17, sglang-router==0.3.2)"
+INSTALL_HINT: Final = (
+    "pip install -e '.[peers]' (vllm-router==0.1.17, sglang-router==0.3.2); "
+    "scripts/install-smg (smg==1.13.0 in .peers/smg13)"
+)
 
 
 def executable(binary: str) -> str | None:
-    """The peer's console script: beside this interpreter (its venv) first, then on PATH."""
+    """The peer's console script: beside this interpreter (its venv) first, then on PATH; a
+    ``binary`` with a ``/`` is a path below the repository's root, and only there."""
+    if "/" in binary:
+        own = ROOT / binary
+        return str(own) if own.exists() else None
     beside = Path(sys.executable).parent / binary
     if beside.exists():
         return str(beside)

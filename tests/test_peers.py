@@ -1,7 +1,8 @@
 """The real peer routers as benchmark arms, end to end (only where they are installed).
 
-``pip install -e '.[peers]'`` installs vllm-router 0.1.17 and sglang-router 0.3.2; without
-them each arm is skipped with the reason. Every arm runs as its own process on the router's
+``pip install -e '.[peers]'`` installs vllm-router 0.1.17 and sglang-router 0.3.2, and
+``scripts/install-smg`` smg 1.13 into ``.peers/smg13``; without them each arm is skipped with
+the reason. Every arm runs as its own process on the router's
 port in front of the same simulated engines, and must serve the whole workload with the
 prefixes reused (vllm-router's kv_aware from the engines' own KV events and replay).
 """
@@ -15,7 +16,7 @@ import pytest
 
 from bench.fleet import FleetConfig
 from bench.harness import Harness
-from bench.peers import PEERS, missing
+from bench.peers import INSTALL_HINT, PEERS, ROOT, Worker, executable, missing
 from bench.summary import summarize
 from bench.workloads import Workload, shared_prefix, with_poisson_arrivals
 
@@ -44,7 +45,7 @@ def test_peer_arm_serves_the_workload_in_front_of_the_same_engines(
 ) -> None:
     absent = missing([arm])
     if absent:
-        pytest.skip(f"{arm}: {absent[arm]} is not installed (pip install -e '.[peers]')")
+        pytest.skip(f"{arm}: {absent[arm]} is not installed ({INSTALL_HINT})")
     workload = tiny_workload(prompts_per_group=4, seed=3)
     fleet = FleetConfig(replicas=2, time_scale=1.0, num_blocks=512, workdir=tmp_path)
     [run] = Harness(fleet, workload, (arm,)).run()
@@ -61,7 +62,7 @@ def test_a_peer_arm_follows_kvrouter_in_embedded_mode(tmp_path: Path) -> None:
     fleet still settles (on the engines' probes) and both arms serve."""
     arm = next((a for a in sorted(PEERS) if not missing([a])), None)
     if arm is None:
-        pytest.skip("no peer router is installed (pip install -e '.[peers]')")
+        pytest.skip(f"no peer router is installed ({INSTALL_HINT})")
     workload = tiny_workload(prompts_per_group=3, seed=4)
     fleet = FleetConfig(replicas=2, time_scale=1.0, num_blocks=512, redis=False, workdir=tmp_path)
     runs = Harness(fleet, workload, ("kvrouter", arm)).run()
@@ -70,3 +71,26 @@ def test_a_peer_arm_follows_kvrouter_in_embedded_mode(tmp_path: Path) -> None:
         summary = summarize(run, fleet.time_scale)
         assert summary.errors == 0, [r.error for r in run.results if r.error]
         assert summary.requests == 6
+
+
+def test_smg13_runs_at_its_own_defaults_from_its_own_virtualenv() -> None:
+    """smg 1.13 is looked for in ``.peers/smg13`` only (never sglang-router's ``bin/smg``),
+    and started with only the flags that put it on its ports and make it ready: nothing
+    that changes how it routes (scrape interval, overload protection, warm-up, thresholds)."""
+    arm = PEERS["smg13"]
+    assert executable(arm.binary) in (None, str(ROOT / ".peers" / "smg13" / "bin" / "smg"))
+    assert executable(".peers/absent/bin/smg") is None
+    workers = [Worker("http://127.0.0.1:1", "tcp://127.0.0.1:2", None)]
+    argv = arm.argv("smg", port=3, metrics_port=4, workers=workers, block_size=16, model="m")
+    flags = {a for a in argv if a.startswith("--")}
+    assert flags == {
+        "--host",
+        "--port",
+        "--worker-urls",
+        "--policy",
+        "--prometheus-port",
+        "--prometheus-host",
+        "--worker-startup-check-interval",
+        "--log-level",
+    }
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
