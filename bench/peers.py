@@ -1,4 +1,5 @@
-"""The real peer routers as benchmark arms: vllm-router (kv_aware, cache_aware) and SGLang's smg.
+"""The real peer routers as benchmark arms: vllm-router (kv_aware, cache_aware), SGLang's smg
+and NVIDIA Dynamo's KV router (:mod:`bench.dynamo`, in a virtualenv of its own).
 
 Each arm is the peer's own binary (``pip install -e '.[peers]'``), started as its own
 process(es) on the ports kvrouter's routers use, in front of the same simulated engines, so
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from bench.dynamo.arm import DYNAMO, DynamoArm, dynamo_python
 from tracker.framework.settings import comma_list
 
 
@@ -104,15 +106,28 @@ class PeerArm:
         return argv
 
 
-PEERS: Final[dict[str, PeerArm]] = {
+PEERS: Final[dict[str, PeerArm | DynamoArm]] = {
     arm.name: arm
     for arm in (
         PeerArm("vllm-kv", "vllm-router", "kv_aware", "/health", "vllm-router", events=True),
         PeerArm("vllm-cache", "vllm-router", "cache_aware", "/health", "vllm-router"),
         PeerArm("smg", "smg", "cache_aware", "/readiness", "sglang-router"),
+        DYNAMO,
     )
 }
 INSTALL_HINT: Final = "pip install -e '.[peers]'  (vllm-router==0.1.17, sglang-router==0.3.2)"
+
+
+def install_hint(name: str) -> str:
+    """How to install peer arm ``name``."""
+    arm = PEERS[name]
+    return arm.install if isinstance(arm, DynamoArm) else INSTALL_HINT
+
+
+def _installed(arm: PeerArm | DynamoArm) -> bool:
+    if isinstance(arm, DynamoArm):
+        return dynamo_python() is not None
+    return executable(arm.binary) is not None
 
 
 def executable(binary: str) -> str | None:
@@ -126,9 +141,7 @@ def executable(binary: str) -> str | None:
 def missing(arms: Sequence[str]) -> dict[str, str]:
     """The peer arms among ``arms`` whose binary is not installed, with the package to install."""
     return {
-        name: PEERS[name].package
-        for name in arms
-        if name in PEERS and executable(PEERS[name].binary) is None
+        name: PEERS[name].package for name in arms if name in PEERS and not _installed(PEERS[name])
     }
 
 
@@ -153,5 +166,7 @@ def installed(spec: str) -> list[str]:
     names = named(spec)
     absent = missing(names)
     for name, package in absent.items():
-        print(f"{name}: skipped, {package} is not installed ({INSTALL_HINT})", file=sys.stderr)
+        print(
+            f"{name}: skipped, {package} is not installed ({install_hint(name)})", file=sys.stderr
+        )
     return [name for name in names if name not in absent]
