@@ -125,9 +125,9 @@ def install_hint(name: str) -> str:
 
 
 def _installed(arm: PeerArm | DynamoArm) -> bool:
-    if isinstance(arm, DynamoArm):
-        return dynamo_python() is not None
-    return executable(arm.binary) is not None
+    return (
+        dynamo_python() is not None if isinstance(arm, DynamoArm) else bool(executable(arm.binary))
+    )
 
 
 def executable(binary: str) -> str | None:

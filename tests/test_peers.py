@@ -15,7 +15,7 @@ import pytest
 
 from bench.fleet import FleetConfig
 from bench.harness import Harness
-from bench.peers import PEERS, missing
+from bench.peers import PEERS, install_hint, missing
 from bench.summary import summarize
 from bench.workloads import Workload, shared_prefix, with_poisson_arrivals
 
@@ -44,7 +44,7 @@ def test_peer_arm_serves_the_workload_in_front_of_the_same_engines(
 ) -> None:
     absent = missing([arm])
     if absent:
-        pytest.skip(f"{arm}: {absent[arm]} is not installed (pip install -e '.[peers]')")
+        pytest.skip(f"{arm}: {absent[arm]} is not installed ({install_hint(arm)})")
     workload = tiny_workload(prompts_per_group=4, seed=3)
     fleet = FleetConfig(replicas=2, time_scale=1.0, num_blocks=512, workdir=tmp_path)
     [run] = Harness(fleet, workload, (arm,)).run()

@@ -100,8 +100,9 @@ class EngineRelay:
     async def generate(
         self, request: dict[str, Any], context: Any
     ) -> AsyncIterator[dict[str, Any]]:
-        """Dynamo's handler: ``{"token_ids", "index"}`` chunks, the finish reason and the
-        engine's usage on the last one (Dynamo stops reading at a finish reason)."""
+        """Dynamo's handler: ``{"token_ids", "index"}`` chunks as the engine streams them;
+        the last, with the finish reason, held for the engine's usage (which the engine
+        sends after it, and Dynamo stops reading at a finish reason)."""
         last: dict[str, Any] | None = None
         async with self._session.post(self._url, json=self.body(request)) as response:
             if response.status != 200:
@@ -110,15 +111,15 @@ class EngineRelay:
             async for event in _sse(response.content):
                 if "error" in event:
                     raise EngineError(f"engine stream failed: {event['error']}")
-                usage = event.get("usage")
-                if usage:
-                    if last is None:
-                        last = {"token_ids": [], "index": 0}
-                    last["completion_usage"] = usage
                 for choice in event.get("choices") or ():
-                    if last is not None:
-                        yield last
-                    last = self._chunk(choice)
+                    chunk = self._chunk(choice)
+                    if "finish_reason" in chunk:
+                        last = chunk
+                    else:
+                        yield chunk
+                if event.get("usage"):
+                    last = last or {"token_ids": [], "index": 0}
+                    last["completion_usage"] = event["usage"]
         if last is not None:
             last.setdefault("finish_reason", "length")
             yield last

@@ -15,11 +15,11 @@ the engine's own time to first token (the direct request's, less the client's HT
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -36,6 +36,8 @@ from bench.proxy_load import router_part
 from bench.stack.config import StackConfig
 from bench.stack.local import LocalStack
 from bench.stack.ports import free_ports
+from tracker.framework.cli import parse_argv
+from tracker.framework.settings import Settings, setting
 
 ARM: Final = "dynamo"
 ALONE: Final = "dynamo-mocker"
@@ -68,12 +70,19 @@ def start_mocker(stack: LocalStack, port: int, workers: int) -> list[str]:
     return [ALONE, *names]
 
 
+@dataclass(frozen=True, kw_only=True)
+class HopSettings(Settings):
+    """``python -m bench.dynamo.hop``: rounds and the engines' time scale."""
+
+    PART = "DYNAMO_HOP"
+
+    rounds: int = setting(200, "requests per target")
+    time_scale: float = setting(0.001, "engines' time scale")
+    json: str | None = setting(None, "write the report here too")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.dynamo.hop", description=__doc__)
-    parser.add_argument("--rounds", type=int, default=200, help="requests per target")
-    parser.add_argument("--time-scale", type=float, default=0.001, help="engines' time scale")
-    parser.add_argument("--json", help="write the report here too")
-    args = parser.parse_args(argv)
+    args = parse_argv(HopSettings, argv, prog="python -m bench.dynamo.hop", description=__doc__)
     if dynamo_python() is None:
         print(f"{ARM}: {DYNAMO.package} is not installed ({DYNAMO.install})")
         return 1

@@ -15,6 +15,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from bench.dynamo.arm import DYNAMO, VENV_ENV, dynamo_python
+from bench.dynamo.hop import HopSettings
 from bench.dynamo.model import write_model_dir
 from bench.fleet import FleetConfig
 from bench.harness import Harness
@@ -25,6 +26,7 @@ from bench.stack.ports import free_ports
 from bench.summary import summarize
 from bench.workloads import shared_prefix, with_poisson_arrivals
 from tracker.core.tokens import Tokenizer
+from tracker.framework.cli import parse_argv
 
 needs_dynamo = pytest.mark.skipif(
     dynamo_python() is None, reason=f"{DYNAMO.package} is not installed ({DYNAMO.install})"
@@ -139,3 +141,8 @@ def test_the_arm_with_two_frontends_in_sync_reuses_prefixes(tmp_path: Path) -> N
     assert summary.hit_rate > 0.5  # each prefix computed about once, then reused
     for name in ("peer-0", "peer-1", "dynamo-adapter-0", "dynamo-adapter-1"):
         assert (tmp_path / f"{name}.log").exists()
+
+
+def test_the_hop_measurement_takes_its_flags_from_its_settings() -> None:
+    settings = parse_argv(HopSettings, ["--rounds", "50", "--json", "x.json"])
+    assert (settings.rounds, settings.time_scale, settings.json) == (50, 0.001, "x.json")
