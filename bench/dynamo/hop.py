@@ -44,6 +44,11 @@ ALONE: Final = "dynamo-mocker"
 GROUPS: Final = 10
 
 
+def pids_of(stack: LocalStack, names: Sequence[str]) -> list[int]:
+    """The running processes among ``names``."""
+    return [pid for name in names if (pid := stack.processes.pid(name)) is not None]
+
+
 def start_mocker(stack: LocalStack, port: int, workers: int) -> list[str]:
     """Dynamo alone: ``workers`` mocker workers (no simulated time) and a frontend on
     ``port``, in a discovery directory of their own; the frontend's process name first."""
@@ -97,15 +102,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     with LocalStack(config).start() as stack:
         arm_port = free_ports(2)
         alone_port = arm_port + 1
-        DYNAMO.start(stack, [(ARM, arm_port)])
-        start_mocker(stack, alone_port, workers=config.replicas)
+        arm = DYNAMO.start(stack, [(ARM, arm_port)])
+        alone = start_mocker(stack, alone_port, workers=config.replicas)
         targets = {
             "kvrouter": stack.layout.router_urls[0],
             ARM: f"http://127.0.0.1:{arm_port}",
             ALONE: f"http://127.0.0.1:{alone_port}",
         }
-        names = {"kvrouter": "router-0", ARM: ARM, ALONE: ALONE}
-        pids = {k: router_part(stack.processes.pid(name)) for k, name in names.items()}
+        pids: dict[str, dict[str, list[int]]] = {
+            "kvrouter": router_part(stack.processes.pid("router-0")),
+            # each Dynamo's frontend and its workers (the adapters, the mockers) apart
+            ARM: {"frontend": pids_of(stack, arm[:1]), "adapter": pids_of(stack, arm[1:])},
+            ALONE: {"frontend": pids_of(stack, alone[:1]), "mocker": pids_of(stack, alone[1:])},
+        }
         report = asyncio.run(
             measure(
                 targets,
