@@ -16,7 +16,7 @@ from bench.agents import AgentShape, agents
 from bench.capacity import capacity, measure_shape
 from bench.fleet import FleetConfig
 from bench.harness import POLICIES, Harness
-from bench.peers import INSTALL_HINT, PEERS, missing
+from bench.peers import PEERS, install_hint, missing
 from bench.plan import Plan
 from bench.plots import require_matplotlib
 from bench.stack.config import Gateway, VllmEngines
@@ -369,7 +369,8 @@ def runnable(chosen: Plan, stage: Callable[[str], None]) -> Plan:
     absent = {k: v for k, v in missing(chosen.policies).items() if k not in skipped}
     if absent:
         packages = ", ".join(sorted(set(absent.values())))
-        stage(f"skipping {', '.join(absent)}: {packages} not installed ({INSTALL_HINT})")
+        hints = "; ".join(sorted({install_hint(name) for name in absent}))
+        stage(f"skipping {', '.join(absent)}: {packages} not installed ({hints})")
         skipped.update(absent)
     return dataclasses.replace(
         chosen, policies=tuple(p for p in chosen.policies if p not in skipped)

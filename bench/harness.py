@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import httpx
 
+from bench.dynamo.arm import DynamoArm
 from bench.fleet import FleetConfig
 from bench.loadgen import LoadGenerator, Result
 from bench.peers import PEERS, PeerArm, Worker, executable
@@ -185,8 +186,12 @@ class Harness:
         for name in self._routers():
             self.stack.processes.restart(name, extra_args=("--policy", POLICY_FLAGS[policy]))
 
-    def _start_peers(self, arm: PeerArm) -> None:
+    def _start_peers(self, arm: PeerArm | DynamoArm) -> None:
         """The peer's own instances on the routers' ports (each its own metrics port)."""
+        if isinstance(arm, DynamoArm):  # its frontends, and an adapter per engine
+            routers = self.stack.layout.router_ports
+            self._peers = arm.start(self.stack, [(f"peer-{i}", p) for i, p in enumerate(routers)])
+            return
         binary = executable(arm.binary)
         if binary is None:
             raise StackError(f"{arm.name}: {arm.binary} is not installed ({arm.package})")

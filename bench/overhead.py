@@ -35,6 +35,7 @@ from typing import Any, Final, NamedTuple
 
 import aiohttp
 
+from bench.dynamo.arm import DynamoArm
 from bench.gateway import ENVOY, gateway_arms, start_gateway
 from bench.peers import PEERS, Worker, executable, installed, named
 from bench.proxy_load import cpu_of, cpu_parts, cpu_row, router_part
@@ -241,6 +242,10 @@ def start_peers(stack: LocalStack, names: Sequence[str]) -> dict[str, str]:
     for i, name in enumerate(names):
         arm = PEERS[name]
         port = base + 2 * i
+        urls[name] = f"http://127.0.0.1:{port}"
+        if isinstance(arm, DynamoArm):  # its frontend (process `name`) and its adapters
+            arm.start(stack, [(name, port)])
+            continue
         binary = executable(arm.binary)
         if binary is None:
             raise RuntimeError(f"{name}: {arm.binary} is not installed ({arm.package})")
@@ -253,7 +258,6 @@ def start_peers(stack: LocalStack, names: Sequence[str]) -> dict[str, str]:
             model=stack.config.model,
         )
         stack.processes.spawn(name, argv, f"http://127.0.0.1:{port}{arm.ready_path}")
-        urls[name] = f"http://127.0.0.1:{port}"
     return urls
 
 

@@ -1,5 +1,6 @@
-"""The real peer routers as benchmark arms: vllm-router (kv_aware, cache_aware) and SGLang's smg
-(0.3.2 from sglang-router, and 1.13 in its own virtualenv).
+"""The real peer routers as benchmark arms: vllm-router (kv_aware, cache_aware), SGLang's smg
+(0.3.2 from sglang-router, and 1.13 in its own virtualenv) and NVIDIA Dynamo's KV router
+(:mod:`bench.dynamo`, in a virtualenv of its own).
 
 Each arm is the peer's own binary (``pip install -e '.[peers]'``; smg 1.13:
 ``scripts/install-smg``, whose ``bin/smg`` would clash with sglang-router's), started as its own
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from bench.dynamo.arm import DYNAMO, DynamoArm, dynamo_python
 from tracker.framework.settings import comma_list
 
 ROOT: Final = Path(__file__).resolve().parent.parent
@@ -111,7 +113,7 @@ class PeerArm:
         return argv
 
 
-PEERS: Final[dict[str, PeerArm]] = {
+PEERS: Final[dict[str, PeerArm | DynamoArm]] = {
     arm.name: arm
     for arm in (
         PeerArm("vllm-kv", "vllm-router", "kv_aware", "/health", "vllm-router", events=True),
@@ -134,12 +136,25 @@ PEERS: Final[dict[str, PeerArm]] = {
             "smg==1.13.0",
             flags=("--prometheus-host", "127.0.0.1"),
         ),
+        DYNAMO,
     )
 }
 INSTALL_HINT: Final = (
     "pip install -e '.[peers]' (vllm-router==0.1.17, sglang-router==0.3.2); "
     "scripts/install-smg (smg==1.13.0 in .peers/smg13)"
 )
+
+
+def install_hint(name: str) -> str:
+    """How to install peer arm ``name``."""
+    arm = PEERS[name]
+    return arm.install if isinstance(arm, DynamoArm) else INSTALL_HINT
+
+
+def _installed(arm: PeerArm | DynamoArm) -> bool:
+    return (
+        dynamo_python() is not None if isinstance(arm, DynamoArm) else bool(executable(arm.binary))
+    )
 
 
 def executable(binary: str) -> str | None:
@@ -157,9 +172,7 @@ def executable(binary: str) -> str | None:
 def missing(arms: Sequence[str]) -> dict[str, str]:
     """The peer arms among ``arms`` whose binary is not installed, with the package to install."""
     return {
-        name: PEERS[name].package
-        for name in arms
-        if name in PEERS and executable(PEERS[name].binary) is None
+        name: PEERS[name].package for name in arms if name in PEERS and not _installed(PEERS[name])
     }
 
 
@@ -184,5 +197,7 @@ def installed(spec: str) -> list[str]:
     names = named(spec)
     absent = missing(names)
     for name, package in absent.items():
-        print(f"{name}: skipped, {package} is not installed ({INSTALL_HINT})", file=sys.stderr)
+        print(
+            f"{name}: skipped, {package} is not installed ({install_hint(name)})", file=sys.stderr
+        )
     return [name for name in names if name not in absent]

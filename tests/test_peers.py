@@ -16,7 +16,16 @@ import pytest
 
 from bench.fleet import FleetConfig
 from bench.harness import Harness
-from bench.peers import INSTALL_HINT, PEERS, ROOT, Worker, executable, missing
+from bench.peers import (
+    INSTALL_HINT,
+    PEERS,
+    ROOT,
+    PeerArm,
+    Worker,
+    executable,
+    install_hint,
+    missing,
+)
 from bench.summary import summarize
 from bench.workloads import Workload, shared_prefix, with_poisson_arrivals
 
@@ -45,7 +54,7 @@ def test_peer_arm_serves_the_workload_in_front_of_the_same_engines(
 ) -> None:
     absent = missing([arm])
     if absent:
-        pytest.skip(f"{arm}: {absent[arm]} is not installed ({INSTALL_HINT})")
+        pytest.skip(f"{arm}: {absent[arm]} is not installed ({install_hint(arm)})")
     workload = tiny_workload(prompts_per_group=4, seed=3)
     fleet = FleetConfig(replicas=2, time_scale=1.0, num_blocks=512, workdir=tmp_path)
     [run] = Harness(fleet, workload, (arm,)).run()
@@ -78,6 +87,7 @@ def test_smg13_runs_at_its_own_defaults_from_its_own_virtualenv() -> None:
     and started with only the flags that put it on its ports and make it ready: nothing
     that changes how it routes (scrape interval, overload protection, warm-up, thresholds)."""
     arm = PEERS["smg13"]
+    assert isinstance(arm, PeerArm)
     assert executable(arm.binary) in (None, str(ROOT / ".peers" / "smg13" / "bin" / "smg"))
     assert executable(".peers/absent/bin/smg") is None
     workers = [Worker("http://127.0.0.1:1", "tcp://127.0.0.1:2", None)]

@@ -39,6 +39,8 @@ POLICIES_DEFAULT: Final = (
     "vllm-kv",
     "vllm-cache",
     "smg",
+    "smg13",
+    "dynamo",
 )
 
 

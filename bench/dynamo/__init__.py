@@ -1,0 +1,1 @@
+"""NVIDIA Dynamo's KV router as a benchmark arm: its model directory, adapters and frontends."""
