@@ -45,10 +45,12 @@ def _slot(tiers: int) -> int:
 
 
 # The entry layout of block buckets: rid in the high bits (R rids per high byte), tiers in the
-# low TIER_BITS (M values); engine-map values are E bytes; SLOT[tiers] is where a lookup run
-# counts a block (2 GPU, 3 CPU, 4 storage, 5 remote: the cheapest tier it is in).
+# low TIER_BITS (M values); engine-map values are E bytes; segment-bucket entries are rid
+# (2 bytes) + blocks per tier (TB bytes); SLOT[tiers] is where a lookup run counts a block
+# (2 GPU, 3 CPU, 4 storage, 5 remote: the cheapest tier it is in).
 LAYOUT: Final = (
-    f"local R, M, E = {1 << (8 - TIER_BITS)}, {1 << TIER_BITS}, {ENGINE_VALUE_BYTES}\n"
+    f"local R, M, E, TB = {1 << (8 - TIER_BITS)}, {1 << TIER_BITS}, {ENGINE_VALUE_BYTES}, "
+    f"{TIER_BITS}\n"
     + "local SLOT = {"
     + ", ".join(f"[{t}] = {_slot(t)}" for t in range(1, 1 << TIER_BITS))
     + "}\n"
@@ -136,8 +138,10 @@ end
 #        writer's election]
 # ARGV: [replica, seq ("" keep, "-" delete, else set), rid, key prefix with hash tag,
 #        placements: n x (8-byte block key .. 1-byte tiers),
-#        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. 16-byte value),
-#        the writing tracker's fencing number (0: not elected, not fenced)]
+#        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. E-byte value),
+#        the writing tracker's fencing number (0: not elected, not fenced),
+#        segments: n x (8-byte key of a segment's last block .. its blocks per tier, one byte
+#        each; all zero: the replica no longer holds it whole)]
 # Returns APPLY_OK; APPLY_RID_RESTORED when the rid mapping was missing and has been put back
 # (Redis lost its data: the caller must write the replica's whole state again); or
 # APPLY_RID_TAKEN, having written nothing, when another replica owns the rid now (the caller
@@ -233,6 +237,26 @@ for i = 1, #engine - E - 8, E + 9 do
     redis.call('HDEL', key, f)
   end
 end
+local segments, sprefix = ARGV[8] or '', tag .. ':s:'
+local mine, none = string.char(math.floor(rid / 256), rid % 256), string.rep('\0', TB)
+for i = 1, #segments - 7 - TB, 8 + TB do
+  local f = string.sub(segments, i, i + 7)
+  local counts = string.sub(segments, i + 8, i + 7 + TB)
+  local key = block_bucket(sprefix, f)
+  local v = redis.call('HGET', key, f)
+  local out = {}
+  if v then
+    for j = 1, #v - 1 - TB, 2 + TB do
+      if string.sub(v, j, j + 1) ~= mine then out[#out + 1] = string.sub(v, j, j + 1 + TB) end
+    end
+  end
+  if counts ~= none then out[#out + 1] = mine .. counts end
+  if #out == 0 then
+    if v then redis.call('HDEL', key, f) end
+  else
+    redis.call('HSET', key, f, table.concat(out))
+  end
+end
 if seq == '-' then
   redis.call('HDEL', KEYS[1], replica)
 elseif seq ~= '' then
@@ -244,22 +268,25 @@ return status
 
 
 # KEYS: [rname hash, optionally the load hash]; ARGV: [key prefix with hash tag, n x 8-byte
-# block key, with the load hash: the router id whose entries to skip, its presence's ttl ms]
+# block key, blocks per segment, with the load hash: the router id whose entries to skip, its
+# presence's ttl ms]
 # Returns {matches, stats, homes, load, lookahead}: lookahead the partition's lookahead hash
 # (replica -> tokens after each block its engine hashes, tracker.core.keys); load_snapshot of the
-# load hash when given (one round
-# trip for a router's whole view), else empty; matches a flat array [replica, matched blocks,
-# matched GPU blocks, predicted blocks, ...]; stats the partition's whole stats hash
-# (HGETALL), for every replica; homes [replica, depth in blocks, age ms, ...]: the home
-# records of the chain's anchors (tracker.core.keys.home_anchors), walked from the first while each
-# has one, every replica with the deepest anchor that names it.
-# Phase 1 walks real placements. Consecutive blocks held by the same replicas carry identical
-# values (Lua strings are interned, so comparing them is O(1)); such runs are counted without
-# re-parsing entries. Phase 2 starts where no replica still matching holds the next block and
+# load hash when given (one round trip for a router's whole view), else empty; matches a flat
+# array [replica, matched blocks, GPU, CPU, storage, remote, predicted blocks, ...]; stats the
+# partition's whole stats hash (HGETALL), for every replica; homes [replica, depth in blocks,
+# age ms, ...]: the home records of the chain's anchors (tracker.core.keys.home_anchors), walked
+# from the first while each has one, every replica with the deepest anchor that names it.
+# Phase 1 walks real placements. At each segment boundary it reads the segment's entry (``s:``,
+# keyed by the segment's last block: the chain up to it is the prompt's): when every replica
+# still matching holds the segment whole, they all skip it with the counts per tier the
+# tracker keeps, so a cached prefix costs one read per segment, not per block. Elsewhere it
+# walks blocks: consecutive blocks held by the same replicas carry identical values (Lua
+# strings are interned, so comparing them is O(1)); such runs are counted without re-parsing
+# entries. Phase 2 starts where no replica still matching holds the next block and
 # extends those replicas (any replica, if nothing matched) with unexpired predictions or late
-# real placements, block by block. Phase 1's loop runs once per cached block of every routed
-# prompt (6k times for 100k tokens), so it builds a bucket name from a cached head (one per first
-# key byte) and a one-byte hex tail, and calls local aliases of the library functions.
+# real placements, block by block. Bucket names are built from a cached head (one per first
+# key byte) and a one-byte hex tail, with local aliases of the library functions.
 _HEAD_DIVISOR: Final = 1 << (16 - BLOCK_BUCKET_BITS)  # first key byte -> bucket name's head
 assert 8 <= BLOCK_BUCKET_BITS <= 16, "bucket names split into a head and a one-byte tail"
 LOOKUP: Final = (
@@ -270,6 +297,7 @@ LOOKUP: Final = (
     + f"local D = {_HEAD_DIVISOR}\n"
     + """
 local bprefix, pprefix, chain = ARGV[1] .. ':b:', ARGV[1] .. ':p:', ARGV[2]
+local sprefix, S = ARGV[1] .. ':s:', tonumber(ARGV[3])
 local runs, order, advanced = {}, {}, {}
 local depth, prev, pending = 0, nil, 0
 local i = 1
@@ -291,32 +319,85 @@ local function run_of(rid)
   return run
 end
 local sub, byte, floor, call = string.sub, string.byte, math.floor, redis.call
-local last, heads = #chain - 7, {}
-while i <= last do
-  local f = sub(chain, i, i + 7)
-  local b1, b2 = byte(f, 1, 2)
-  local head = heads[b1]
-  if not head then
-    head = bprefix .. hex[floor(b1 / D)]
-    heads[b1] = head
-  end
-  local v = call('HGET', head .. hex[(b1 % D) * (256 / D) + floor(b2 / D)], f)
-  if not v then break end
-  if v == prev then
-    pending = pending + 1
-  else
-    settle()
-    local now = {}
-    for j = 1, #v - 1, 2 do
-      local b1, b2 = string.byte(v, j, j + 1)
-      local t = b2 % M
-      local run = run_of(b1 * R + (b2 - t) / M)
-      if run and run[1] == depth then now[#now + 1] = {run, SLOT[t]} end
+local last = #chain - 7
+-- bucket names from a cached head (one per first key byte) and a one-byte hex tail
+local function buckets_of(prefix)
+  local heads = {}
+  return function(f)
+    local b1, b2 = byte(f, 1, 2)
+    local head = heads[b1]
+    if not head then
+      head = prefix .. hex[floor(b1 / D)]
+      heads[b1] = head
     end
-    if #now == 0 then break end
-    advanced, prev, pending = now, v, 1
+    return head .. hex[(b1 % D) * (256 / D) + floor(b2 / D)]
   end
-  i = i + 8
+end
+local block_of, segment_of = buckets_of(bprefix), buckets_of(sprefix)
+-- a segment every replica still matching holds whole: all of them skip it (one read)
+local function skip(whole)
+  local at = {}
+  for j = 1, #whole - 1 - TB, 2 + TB do
+    local b1, b2 = byte(whole, j, j + 1)
+    at[b1 * 256 + b2] = j
+  end
+  local matching = {}
+  for _, rid in ipairs(order) do
+    if runs[rid][1] == depth then
+      if not at[rid] then return false end
+      matching[#matching + 1] = rid
+    end
+  end
+  if #matching == 0 then return false end
+  for _, rid in ipairs(matching) do
+    local run, j = runs[rid], at[rid]
+    local g, c, st, rm = byte(whole, j + 2, j + 5)
+    run[1], run[2], run[3] = run[1] + S, run[2] + g, run[3] + c
+    run[4], run[5] = run[4] + st, run[5] + rm
+  end
+  depth = depth + S
+  advanced, prev = {}, nil
+  return true
+end
+while i <= last do
+  local skipped = false
+  if (i - 1) % (8 * S) == 0 and i + 8 * S - 1 <= #chain then
+    local f = sub(chain, i + 8 * S - 8, i + 8 * S - 1)
+    local whole = call('HGET', segment_of(f), f)
+    if whole then
+      settle()
+      if depth == 0 then  -- the candidates: the first block's holders
+        local first = sub(chain, 1, 8)
+        local v = call('HGET', block_of(first), first) or ''
+        for j = 1, #v - 1, 2 do
+          local b1, b2 = byte(v, j, j + 1)
+          run_of(b1 * R + (b2 - b2 % M) / M)
+        end
+      end
+      skipped = skip(whole)
+      if skipped then i = i + 8 * S end
+    end
+  end
+  if not skipped then
+    local f = sub(chain, i, i + 7)
+    local v = call('HGET', block_of(f), f)
+    if not v then break end
+    if v == prev then
+      pending = pending + 1
+    else
+      settle()
+      local now = {}
+      for j = 1, #v - 1, 2 do
+        local b1, b2 = byte(v, j, j + 1)
+        local t = b2 % M
+        local run = run_of(b1 * R + (b2 - t) / M)
+        if run and run[1] == depth then now[#now + 1] = {run, SLOT[t]} end
+      end
+      if #now == 0 then break end
+      advanced, prev, pending = now, v, 1
+    end
+    i = i + 8
+  end
 end
 settle()
 local clock = nil
@@ -384,7 +465,7 @@ if #horder > 0 then
   end
 end
 local load = {}
-if KEYS[2] then load = load_snapshot(KEYS[2], ARGV[3], tonumber(ARGV[4])) end
+if KEYS[2] then load = load_snapshot(KEYS[2], ARGV[4], tonumber(ARGV[5])) end
 local ahead = redis.call('HGETALL', ARGV[1] .. ':lookahead')
 if #order == 0 then return {{}, stats, named, load, ahead} end
 local names = redis.call('HMGET', KEYS[1], unpack(order))

@@ -1,9 +1,10 @@
 """Redis-backed block index shared by every router and tracker; keys from :mod:`tracker.core.keys`.
 
 :class:`RedisIndex` answers lookups (one ``EVALSHA`` of :data:`tracker.core.lua.LOOKUP` walks
-the whole chain server-side), takes the routers' writes and keeps the replica registry; it
-has a :class:`~tracker.core.redis_writes.RedisWriter` for the trackers' writes and a
-:class:`~tracker.core.redis_recovery.RedisRecovery` for the server's upkeep.
+the chain server-side, a segment at a time where it is held whole), takes the routers' writes
+and keeps the replica registry; it has a :class:`~tracker.core.redis_writes.RedisWriter` for
+the trackers' writes and a :class:`~tracker.core.redis_recovery.RedisRecovery` for the
+server's upkeep.
 """
 
 from __future__ import annotations
@@ -78,10 +79,18 @@ class RedisIndex:
         client alone.
     """
 
-    def __init__(self, client: redis.Redis, connection: RedisConnection | None = None) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        connection: RedisConnection | None = None,
+        *,
+        segment_blocks: int = schema.SEGMENT_BLOCKS,
+    ) -> None:
         self.client = client
         self._connection = connection or RedisConnection(client)
-        self.writer = RedisWriter(client)
+        self.segment_blocks = segment_blocks
+        """Blocks per segment: the partition's layout (tests use short ones)."""
+        self.writer = RedisWriter(client, segment_blocks=segment_blocks)
         """The trackers' writes: ledgers, ``APPLY``, pending changes, replica ids."""
         self.recovery = RedisRecovery(self.writer)
         """The server's upkeep: what it lost written back, partition fences, memory."""
@@ -93,11 +102,13 @@ class RedisIndex:
         self._registry = client.register_script(lua.REGISTRY)
 
     @classmethod
-    def from_url(cls, url: str, *, timeout_s: float = 2.0) -> RedisIndex:
+    def from_url(
+        cls, url: str, *, timeout_s: float = 2.0, segment_blocks: int = schema.SEGMENT_BLOCKS
+    ) -> RedisIndex:
         """Open the index at ``url``: a server, a Sentinel-monitored primary or a Redis
         Cluster (:func:`tracker.core.redis_client.open_redis`)."""
         connection = open_redis(url, timeout_s=timeout_s)
-        return cls(connection.client, connection)
+        return cls(connection.client, connection, segment_blocks=segment_blocks)
 
     # ----------------------------------------------------------- the trackers' writes (writer)
 
@@ -160,11 +171,12 @@ class RedisIndex:
     ) -> Survey:
         nk = self.writer.keys_for(namespace)
         # an empty chain still walks nothing and answers the residency
+        args: list[str | bytes | int] = [nk.tag, _chain(keys), self.segment_blocks]
         if load_except is None:
-            call = self._lookup(keys=[nk.rname], args=[nk.tag, _chain(keys)])
+            call = self._lookup(keys=[nk.rname], args=args)
         else:
             ttl_ms = max(1, round(load_ttl_s * 1000))  # as the load board rounds its own
-            args: list[str | bytes | int] = [nk.tag, _chain(keys), load_except, ttl_ms]
+            args += [load_except, ttl_ms]
             call = self._lookup(keys=[nk.rname, nk.load], args=args)
         found, stats, homes, others, ahead = await redis_call("lookup", call)
         matches: dict[str, Match] = {}
