@@ -134,10 +134,8 @@ def _scenarios(draw: st.DrawFn, pool: tuple[Prefix, ...] = POOL) -> list[Step]:
                 ops.append(Cleared())
             else:
                 known = touched[replica]
-                random_prefix = _prefixes(pool)
-                prefix = draw(
-                    st.sampled_from(known) if known and draw(st.booleans()) else random_prefix
-                )
+                from_known = bool(known) and draw(st.booleans())
+                prefix = draw(st.sampled_from(known) if from_known else _prefixes(pool))
                 if kind == "offload":
                     ops.append(Offload(prefix, draw(st.sampled_from(SLOTS[1:]))))
                 else:
