@@ -26,7 +26,8 @@ MAX_ROUTES: Final = 4096
 MAX_RID: Final = (1 << (16 - TIER_BITS)) - 1
 SEGMENT_BLOCKS: Final = 32
 """Blocks of a segment: the aligned runs ``[k·N, (k+1)·N)`` of a chain whose holders a lookup
-reads at once (``segment_bucket``): a replica holding every block of one skips them."""
+reads at once (:attr:`NamespaceKeys.segments`): a replica holding every block of one skips
+them."""
 ENGINE_VALUE_BYTES: Final = 8 + 2 * TIER_BITS + 8 + 4
 """An engine-map value: block key, references per tier, the block's parent key and depth."""
 SEGMENT_ENTRY_BYTES: Final = 2 + TIER_BITS
@@ -69,7 +70,7 @@ class NamespaceKeys:
         "ridseq",
         "rname",
         "routes",
-        "segment_prefix",
+        "segments",
         "seq",
         "stats",
         "tag",
@@ -81,7 +82,7 @@ class NamespaceKeys:
         self.block_prefix = f"{self.tag}:b:"
         self.prediction_prefix = f"{self.tag}:p:"
         self.home_prefix = f"{self.tag}:h:"
-        self.segment_prefix = f"{self.tag}:s:"
+        self.segments = f"{self.tag}:s"
         self.engine_prefix = f"{self.tag}:e:"
         self.rid = f"{self.tag}:rid"
         self.rname = f"{self.tag}:rname"
@@ -112,10 +113,6 @@ class NamespaceKeys:
 
     def home_bucket(self, key: int) -> str:
         return f"{self.home_prefix}{key >> (64 - BLOCK_BUCKET_BITS):04x}"
-
-    def segment_bucket(self, key: int) -> str:
-        """The bucket of the segment ending with block ``key`` (its last block's key)."""
-        return f"{self.segment_prefix}{key >> (64 - BLOCK_BUCKET_BITS):04x}"
 
     def engine_bucket(self, rid: int, engine_hash: int) -> str:
         bucket = engine_hash % ENGINE_BUCKETS

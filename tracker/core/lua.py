@@ -237,12 +237,11 @@ for i = 1, #engine - E - 8, E + 9 do
     redis.call('HDEL', key, f)
   end
 end
-local segments, sprefix = ARGV[8] or '', tag .. ':s:'
+local segments, key = ARGV[8] or '', tag .. ':s'
 local mine, none = string.char(math.floor(rid / 256), rid % 256), string.rep('\0', TB)
 for i = 1, #segments - 7 - TB, 8 + TB do
   local f = string.sub(segments, i, i + 7)
   local counts = string.sub(segments, i + 8, i + 7 + TB)
-  local key = block_bucket(sprefix, f)
   local v = redis.call('HGET', key, f)
   local out = {}
   if v then
@@ -268,8 +267,9 @@ return status
 
 
 # KEYS: [rname hash, optionally the load hash]; ARGV: [key prefix with hash tag, n x 8-byte
-# block key, blocks per segment, with the load hash: the router id whose entries to skip, its
-# presence's ttl ms]
+# block key, blocks per segment, with the load hash: the router id whose entries to skip
+# (else ''), its presence's ttl ms (else 0), then the keys of the chain's segment ends (its
+# blocks S-1, 2S-1, ...), one argument each]
 # Returns {matches, stats, homes, load, lookahead}: lookahead the partition's lookahead hash
 # (replica -> tokens after each block its engine hashes, tracker.core.keys); load_snapshot of the
 # load hash when given (one round trip for a router's whole view), else empty; matches a flat
@@ -277,10 +277,11 @@ return status
 # partition's whole stats hash (HGETALL), for every replica; homes [replica, depth in blocks,
 # age ms, ...]: the home records of the chain's anchors (tracker.core.keys.home_anchors), walked
 # from the first while each has one, every replica with the deepest anchor that names it.
-# Phase 1 walks real placements. At each segment boundary it reads the segment's entry (``s:``,
-# keyed by the segment's last block: the chain up to it is the prompt's): when every replica
-# still matching holds the segment whole, they all skip it with the counts per tier the
-# tracker keeps, so a cached prefix costs one read per segment, not per block. Elsewhere it
+# Phase 1 walks real placements. It reads every segment's entry first (``s``, keyed by the
+# segment's last block: the chain up to it is the prompt's), in one HMGET; at each segment
+# boundary, when every replica still matching holds the segment whole, they all skip it with
+# the counts per tier the tracker keeps, so a cached prefix costs a field of one HMGET per
+# segment, not a read per block. Elsewhere it
 # walks blocks: consecutive blocks held by the same replicas carry identical values (Lua
 # strings are interned, so comparing them is O(1)); such runs are counted without re-parsing
 # entries. Phase 2 starts where no replica still matching holds the next block and
@@ -297,7 +298,7 @@ LOOKUP: Final = (
     + f"local D = {_HEAD_DIVISOR}\n"
     + """
 local bprefix, pprefix, chain = ARGV[1] .. ':b:', ARGV[1] .. ':p:', ARGV[2]
-local sprefix, S = ARGV[1] .. ':s:', tonumber(ARGV[3])
+local S = tonumber(ARGV[3])
 local runs, order, advanced = {}, {}, {}
 local depth, prev, pending = 0, nil, 0
 local i = 1
@@ -319,68 +320,80 @@ local function run_of(rid)
   return run
 end
 local sub, byte, floor, call = string.sub, string.byte, math.floor, redis.call
-local last = #chain - 7
--- bucket names from a cached head (one per first key byte) and a one-byte hex tail
-local function buckets_of(prefix)
-  local heads = {}
-  return function(f)
-    local b1, b2 = byte(f, 1, 2)
-    local head = heads[b1]
-    if not head then
-      head = prefix .. hex[floor(b1 / D)]
-      heads[b1] = head
-    end
-    return head .. hex[(b1 % D) * (256 / D) + floor(b2 / D)]
-  end
+local last, heads = #chain - 7, {}
+-- every segment's holders at once (ARGV[6..]: the keys of the chain's segment ends)
+local ends = {}
+for k = 6, #ARGV, 1000 do
+  local got = call('HMGET', ARGV[1] .. ':s', unpack(ARGV, k, math.min(k + 999, #ARGV)))
+  for _, v in ipairs(got) do ends[#ends + 1] = v end
 end
-local block_of, segment_of = buckets_of(bprefix), buckets_of(sprefix)
--- a segment every replica still matching holds whole: all of them skip it (one read)
+-- a segment every replica still matching holds whole: all of them skip it; the next segment
+-- with the same value (interned: an O(1) comparison) moves the same runs by the same counts
+local skipped_value, moves = nil, {}
+local function move(times)
+  for _, m in ipairs(moves) do
+    local run = m[1]
+    run[1], run[2], run[3] = run[1] + S * times, run[2] + m[2] * times, run[3] + m[3] * times
+    run[4], run[5] = run[4] + m[4] * times, run[5] + m[5] * times
+  end
+  depth = depth + S * times
+end
 local function skip(whole)
   local at = {}
   for j = 1, #whole - 1 - TB, 2 + TB do
     local b1, b2 = byte(whole, j, j + 1)
     at[b1 * 256 + b2] = j
   end
-  local matching = {}
+  local now = {}
   for _, rid in ipairs(order) do
-    if runs[rid][1] == depth then
-      if not at[rid] then return false end
-      matching[#matching + 1] = rid
+    local run = runs[rid]
+    if run[1] == depth then
+      local j = at[rid]
+      if not j then return false end
+      local g, c, st, rm = byte(whole, j + 2, j + 5)
+      now[#now + 1] = {run, g, c, st, rm}
     end
   end
-  if #matching == 0 then return false end
-  for _, rid in ipairs(matching) do
-    local run, j = runs[rid], at[rid]
-    local g, c, st, rm = byte(whole, j + 2, j + 5)
-    run[1], run[2], run[3] = run[1] + S, run[2] + g, run[3] + c
-    run[4], run[5] = run[4] + st, run[5] + rm
-  end
-  depth = depth + S
-  advanced, prev = {}, nil
+  if #now == 0 then return false end
+  skipped_value, moves = whole, now
+  move(1)
   return true
 end
 while i <= last do
   local skipped = false
-  if (i - 1) % (8 * S) == 0 and i + 8 * S - 1 <= #chain then
-    local f = sub(chain, i + 8 * S - 8, i + 8 * S - 1)
-    local whole = call('HGET', segment_of(f), f)
-    if whole then
-      settle()
-      if depth == 0 then  -- the candidates: the first block's holders
-        local first = sub(chain, 1, 8)
-        local v = call('HGET', block_of(first), first) or ''
-        for j = 1, #v - 1, 2 do
-          local b1, b2 = byte(v, j, j + 1)
-          run_of(b1 * R + (b2 - b2 % M) / M)
-        end
+  local k = (i - 1) / (8 * S) + 1
+  local whole = k == floor(k) and ends[k]
+  if whole and whole == skipped_value then  -- nothing walked since: the same runs go on
+    local times = 1
+    while ends[k + times] == whole do times = times + 1 end
+    move(times)
+    i, skipped = i + 8 * S * times, true
+  elseif whole then
+    settle()
+    if depth == 0 then  -- the candidates: the first block's holders
+      local first = sub(chain, 1, 8)
+      local v = call('HGET', block_bucket(bprefix, first), first) or ''
+      for j = 1, #v - 1, 2 do
+        local r1, r2 = byte(v, j, j + 1)
+        run_of(r1 * R + (r2 - r2 % M) / M)
       end
-      skipped = skip(whole)
-      if skipped then i = i + 8 * S end
+    end
+    skipped = skip(whole)
+    if skipped then
+      i = i + 8 * S
+      advanced, prev = {}, nil
     end
   end
   if not skipped then
+    skipped_value = nil
     local f = sub(chain, i, i + 7)
-    local v = call('HGET', block_of(f), f)
+    local b1, b2 = byte(f, 1, 2)
+    local head = heads[b1]
+    if not head then
+      head = bprefix .. hex[floor(b1 / D)]
+      heads[b1] = head
+    end
+    local v = call('HGET', head .. hex[(b1 % D) * (256 / D) + floor(b2 / D)], f)
     if not v then break end
     if v == prev then
       pending = pending + 1
@@ -388,9 +401,9 @@ while i <= last do
       settle()
       local now = {}
       for j = 1, #v - 1, 2 do
-        local b1, b2 = byte(v, j, j + 1)
-        local t = b2 % M
-        local run = run_of(b1 * R + (b2 - t) / M)
+        local r1, r2 = byte(v, j, j + 1)
+        local t = r2 % M
+        local run = run_of(r1 * R + (r2 - t) / M)
         if run and run[1] == depth then now[#now + 1] = {run, SLOT[t]} end
       end
       if #now == 0 then break end

@@ -171,12 +171,15 @@ class RedisIndex:
     ) -> Survey:
         nk = self.writer.keys_for(namespace)
         # an empty chain still walks nothing and answers the residency
-        args: list[str | bytes | int] = [nk.tag, _chain(keys), self.segment_blocks]
+        chain = _chain(keys)
+        span = self.segment_blocks
+        ends = [chain[i * 8 - 8 : i * 8] for i in range(span, len(keys) + 1, span)]
         if load_except is None:
+            args: list[str | bytes | int] = [nk.tag, chain, span, "", 0, *ends]
             call = self._lookup(keys=[nk.rname], args=args)
         else:
             ttl_ms = max(1, round(load_ttl_s * 1000))  # as the load board rounds its own
-            args += [load_except, ttl_ms]
+            args = [nk.tag, chain, span, load_except, ttl_ms, *ends]
             call = self._lookup(keys=[nk.rname, nk.load], args=args)
         found, stats, homes, others, ahead = await redis_call("lookup", call)
         matches: dict[str, Match] = {}

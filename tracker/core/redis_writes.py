@@ -61,7 +61,8 @@ def _touched_by_apply(
         touched.add(nk.block_bucket(key))
         touched.add(nk.prediction_bucket(key))
     touched.update(nk.engine_bucket(rid, engine_hash) for engine_hash, _ in engine)
-    touched.update(nk.segment_bucket(key) for key, _ in segments)
+    if segments:
+        touched.add(nk.segments)
     return sorted(touched)
 
 
