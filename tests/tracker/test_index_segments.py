@@ -4,6 +4,8 @@ evictions from the middle, tiers, clears, a restarted tracker, chains that part 
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio
 
 from tests.factories import LLAMA
@@ -11,7 +13,7 @@ from tests.tracker.contract import matches, offload, put, remove, store
 from tracker.core import keys as schema
 from tracker.core.blocks import block_keys
 from tracker.core.events import AllBlocksCleared
-from tracker.core.index import BlockIndex
+from tracker.core.index import BlockIndex, Route
 from tracker.core.redis_index import RedisIndex
 
 S = schema.SEGMENT_BLOCKS
@@ -126,4 +128,90 @@ async def test_a_lookup_reads_one_entry_per_segment_held_whole(redis_url: str) -
         }
     finally:
         await client.aclose()
+        await index.close()
+
+
+# ------------------------------------------------------------------ predictions of segments
+
+
+async def predicted(index: BlockIndex, tokens: list[int]) -> dict[str, tuple[int, int, int]]:
+    found = await index.lookup(LLAMA, block_keys(tokens, LLAMA))
+    return {r: (m.blocks, m.gpu_blocks, m.predicted_blocks) for r, m in found.items()}
+
+
+async def test_a_routed_miss_is_predicted_whole(index: BlockIndex) -> None:
+    keys = block_keys(LONG, LLAMA)
+    await index.route(LLAMA, Route("a", keys, 0.4, [keys[0]], 5))
+    assert await predicted(index, LONG) == {"a": (10 * S, 10 * S, 10 * S)}
+    # a prompt that shares four segments and parts at a segment's end
+    fork = [*LONG[: 4 * S * LLAMA.block_size], *range(70_000, 70_400)]
+    assert await predicted(index, fork) == {"a": (4 * S, 4 * S, 4 * S)}
+    await asyncio.sleep(0.6)
+    assert await predicted(index, LONG) == {}
+
+
+async def test_predictions_go_on_where_the_engine_has_prefilled_so_far(
+    index: BlockIndex,
+) -> None:
+    keys = block_keys(LONG, LLAMA)
+    placed = 3 * S + 5  # the replica held that much when the request was routed
+    await put(index, "a", store(LONG, range(placed)))
+    await index.route(LLAMA, Route("a", keys[placed:], 5, [keys[0]], 5, first=placed))
+    assert await predicted(index, LONG) == {"a": (10 * S, 10 * S, 10 * S - placed)}
+    await put(index, "a", store(LONG, range(placed, 6 * S + 7)))  # a chunk of the prefill
+    assert await predicted(index, LONG) == {"a": (10 * S, 10 * S, 4 * S - 7)}
+    await put(index, "a", store(LONG, range(6 * S + 7, 10 * S)))  # all of it
+    assert await predicted(index, LONG) == {"a": (10 * S, 10 * S, 0)}
+    # evicted from the tail: a prediction of its segments never outranks the engine
+    await put(index, "a", remove(LONG, *range(10 * S - 1, 6 * S - 1, -1)))
+    assert await predicted(index, LONG) == {"a": (6 * S, 6 * S, 0)}
+
+
+async def test_a_replica_that_stopped_matching_is_not_revived_by_its_segments(
+    index: BlockIndex,
+) -> None:
+    keys = block_keys(LONG, LLAMA)
+    await put(index, "a", store(LONG, range(2 * S)))
+    await put(index, "b", store(LONG, range(2 * S)))
+    await index.route(LLAMA, Route("a", keys[2 * S :], 5, [keys[0]], 5, first=2 * S))
+    assert await predicted(index, LONG) == {"a": (10 * S, 10 * S, 8 * S), "b": (2 * S, 2 * S, 0)}
+    # b's real blocks go on past a's: predictions extend only the runs still going there
+    await put(index, "b", store(LONG, range(2 * S, 5 * S + 1)))
+    assert await predicted(index, LONG) == {"a": (2 * S, 2 * S, 0), "b": (5 * S + 1, 5 * S + 1, 0)}
+
+
+async def test_a_routed_prompt_is_written_a_segment_at_a_time(redis_url: str) -> None:
+    index = RedisIndex.from_url(redis_url)
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        keys = block_keys(LONG, LLAMA)
+        await put(index, "a", store(LONG, range(5)))
+        await client.config_resetstat()
+        await index.route(LLAMA, Route("a", keys[5:], 5, [keys[0]], 5, first=5))
+        stats = await client.info("commandstats")
+        # the blocks before the first whole segment one by one, one HSET of the nine segments
+        # after them, one of the home claim
+        assert stats["cmdstat_hset"]["calls"] == (S - 5) + 1 + 1, stats
+        await client.config_resetstat()
+        assert await predicted(index, LONG) == {"a": (10 * S, 10 * S, 10 * S - 5)}
+        stats = await client.info("commandstats")
+        assert stats["cmdstat_hget"]["calls"] <= 2 * S + 2, stats  # the first segment's blocks
+    finally:
+        await client.aclose()
+        await index.close()
+
+
+async def test_a_prompt_parting_inside_a_segment_predicted_whole_matches_up_to_it(
+    redis_url: str,
+) -> None:
+    """The shared index's rounding: a prompt that parts from a predicted one inside a segment
+    the route predicted whole matches its predictions up to that segment's start (the
+    in-process index, block by block, up to where they part); real placements stay exact."""
+    index = RedisIndex.from_url(redis_url)
+    try:
+        keys = block_keys(LONG, LLAMA)
+        await index.route(LLAMA, Route("a", keys, 5, [keys[0]], 5))
+        fork = [*LONG[: (4 * S + 9) * LLAMA.block_size], *range(70_000, 70_400)]
+        assert await predicted(index, fork) == {"a": (4 * S, 4 * S, 4 * S)}
+    finally:
         await index.close()

@@ -28,6 +28,9 @@ SEGMENT_BLOCKS: Final = 32
 """Blocks of a segment: the aligned runs ``[k·N, (k+1)·N)`` of a chain whose holders a lookup
 reads at once (:attr:`NamespaceKeys.segments`): a replica holding every block of one skips
 them."""
+PREDICTION_SLOT_MS: Final = 2000
+"""Width of a slot of segment predictions (``ps:<slot>``, by expiry): each slot's hash
+expires with its last possible entry, so no expired segment prediction outlives it long."""
 ENGINE_VALUE_BYTES: Final = 8 + 2 * TIER_BITS + 8 + 4
 """An engine-map value: block key, references per tier, the block's parent key and depth."""
 SEGMENT_ENTRY_BYTES: Final = 2 + TIER_BITS
@@ -113,6 +116,11 @@ class NamespaceKeys:
 
     def home_bucket(self, key: int) -> str:
         return f"{self.home_prefix}{key >> (64 - BLOCK_BUCKET_BITS):04x}"
+
+    def prediction_segments(self, slot: int) -> str:
+        """The segments predicted whole whose predictions expire in slot ``slot``
+        (:data:`PREDICTION_SLOT_MS` wide, Redis time)."""
+        return f"{self.tag}:ps:{slot}"
 
     def engine_bucket(self, rid: int, engine_hash: int) -> str:
         bucket = engine_hash % ENGINE_BUCKETS

@@ -158,6 +158,9 @@ class LedgerChanges:
     engine: dict[int, EngineBlock | None] = field(default_factory=dict)
     segments: dict[int, Segment | None] = field(default_factory=dict)
     """Per segment (its last block's key): its counts per tier held whole now, None: not."""
+    ends: set[int] = field(default_factory=set)
+    """Segments' last blocks the batch stored or removed (or moved to another tier): the
+    engine's word on them ends the routers' predictions of their segments on this replica."""
     stats: Counter[str] = field(default_factory=Counter)
     cleared: bool = False
 
@@ -209,6 +212,7 @@ class ReplicaLedger:
         self.segments: dict[int, Segment] = {}
         """Every segment the replica holds whole now, by its last block's key."""
         self._dirty: set[int] = set()
+        self._ends: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -279,6 +283,7 @@ class ReplicaLedger:
         self.children.clear()
         self.segments.clear()
         self._dirty.clear()
+        self._ends.clear()
 
     def segment_changes(self) -> dict[int, Segment | None]:
         """Every segment held whole, as changes (a replica's state written again whole)."""
@@ -310,6 +315,7 @@ class ReplicaLedger:
         last = depth - depth % span + span - 1
         if depth == last:
             self._dirty.add(key)
+            self._ends.add(key)
             return
         level = [key]
         for _ in range(last - depth):
@@ -343,6 +349,8 @@ class ReplicaLedger:
                     self.segments[last] = segment
                 changes.segments[last] = segment
         self._dirty.clear()
+        changes.ends |= self._ends
+        self._ends.clear()
 
     def _indexed_group(self, group_idx: int | None, kind: str | None) -> bool:
         # Hybrid models announce every block once per KV-cache group with the same hash; only

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Final
 
-from tracker.core.keys import BLOCK_BUCKET_BITS, ENGINE_BUCKETS, ENGINE_VALUE_BYTES, TIER_BITS
+from tracker.core.keys import (
+    BLOCK_BUCKET_BITS,
+    ENGINE_BUCKETS,
+    ENGINE_VALUE_BYTES,
+    PREDICTION_SLOT_MS,
+    TIER_BITS,
+)
 
 # ----------------------------------------------------------- shared snippets
 
@@ -58,7 +64,11 @@ LAYOUT: Final = (
 
 # Prediction buckets (``p:``) hold, per block key, 8-byte entries: rid (2 bytes) + expiry in
 # Redis server time (6 bytes, ms). The router writes them after routing (predict-on-route).
-PREDICTIONS: Final = """
+# A segment predicted whole is one such entry in the hash ``ps:<slot>`` of its expiry's slot
+# (W ms wide; the hash expires with its slot), keyed by the segment's last block.
+PREDICTIONS: Final = (
+    f"local W = {PREDICTION_SLOT_MS}\n"
+    + """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -76,6 +86,7 @@ local function pack_expiry(ms)
   return table.concat(out)
 end
 """
+)
 
 
 # load_snapshot(load hash, router id whose entries to skip, ttl ms): [replica, inflight,
@@ -141,7 +152,9 @@ end
 #        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. E-byte value),
 #        the writing tracker's fencing number (0: not elected, not fenced),
 #        segments: n x (8-byte key of a segment's last block .. its blocks per tier, one byte
-#        each; all zero: the replica no longer holds it whole)]
+#        each; all zero: the replica no longer holds it whole),
+#        segment ends the batch stored or removed: n x 8-byte block key (their segments'
+#        predictions of this replica end)]
 # Returns APPLY_OK; APPLY_RID_RESTORED when the rid mapping was missing and has been put back
 # (Redis lost its data: the caller must write the replica's whole state again); or
 # APPLY_RID_TAKEN, having written nothing, when another replica owns the rid now (the caller
@@ -154,6 +167,7 @@ APPLY_FENCED: Final = -2
 APPLY: Final = (
     BUCKETS
     + LAYOUT
+    + f"local W = {PREDICTION_SLOT_MS}\n"
     + """
 local replica, seq, rid, tag = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local places, engine = ARGV[5], ARGV[6]
@@ -254,6 +268,32 @@ for i = 1, #segments - 7 - TB, 8 + TB do
     if v then redis.call('HDEL', key, f) end
   else
     redis.call('HSET', key, f, table.concat(out))
+  end
+end
+-- the engine's word on a segment's last block ends this replica's prediction of the segment
+local touched = ARGV[9] or ''
+if live and #touched > 0 then
+  local t = redis.call('TIME')
+  local clock = t[1] * 1000 + math.floor(t[2] / 1000)
+  local left = redis.call('PTTL', tag .. ':plive')
+  for slot = math.floor(clock / W), math.floor((clock + math.max(left, 0)) / W) do
+    local pkey = tag .. ':ps:' .. slot
+    for i = 1, #touched - 7, 8 do
+      local f = string.sub(touched, i, i + 7)
+      local p = redis.call('HGET', pkey, f)
+      if p then
+        local keep = {}
+        for j = 1, #p - 7, 8 do
+          local b1, b2 = string.byte(p, j, j + 1)
+          if b1 * 256 + b2 ~= rid then keep[#keep + 1] = string.sub(p, j, j + 7) end
+        end
+        if #keep == 0 then
+          redis.call('HDEL', pkey, f)
+        elseif #keep * 8 < #p then
+          redis.call('HSET', pkey, f, table.concat(keep))
+        end
+      end
+    end
   end
 end
 if seq == '-' then
@@ -414,41 +454,103 @@ while i <= last do
 end
 settle()
 local clock = nil
-while i <= #chain - 7 do
-  local f = string.sub(chain, i, i + 7)
-  local moved = false
-  local v = redis.call('HGET', block_bucket(bprefix, f), f)
-  if v then
-    for j = 1, #v - 1, 2 do
-      local b1, b2 = string.byte(v, j, j + 1)
-      local t = b2 % M
-      local run = run_of(b1 * R + (b2 - t) / M)
-      if run and run[1] == depth then
-        run[1] = depth + 1
-        run[SLOT[t]] = run[SLOT[t]] + 1
-        moved = true
-      end
-    end
-  end
-  local p = redis.call('HGET', block_bucket(pprefix, f), f)
-  if p then
-    clock = clock or now_ms()
-    for j = 1, #p - 7, 8 do
-      local b1, b2 = string.byte(p, j, j + 1)
-      if expiry_of(p, j) > clock then
-        local run = run_of(b1 * 256 + b2)
-        if run and run[1] == depth then
-          run[1] = depth + 1
-          run[2] = run[2] + 1
-          run[6] = run[6] + 1
-          moved = true
+-- phase 2's segments predicted whole: per segment of the chain, the rids predicted to hold it
+local predicted = {}
+local left = i <= last and call('PTTL', ARGV[1] .. ':plive') or -2
+local k0 = floor((i - 1) / (8 * S)) + 1
+if left > 0 and k0 <= #ends then
+  clock = now_ms()
+  for slot = floor(clock / W), floor((clock + left) / W) do
+    local key = ARGV[1] .. ':ps:' .. slot
+    for c = k0 + 5, #ARGV, 1000 do  -- ends[k] is ARGV[k + 5]
+      local got = call('HMGET', key, unpack(ARGV, c, math.min(c + 999, #ARGV)))
+      for x = 1, #got do
+        local p = got[x]
+        if p then
+          local k = c - 6 + x
+          local rids = predicted[k] or {}
+          for j = 1, #p - 7, 8 do
+            local b1, b2 = byte(p, j, j + 1)
+            if expiry_of(p, j) > clock then rids[b1 * 256 + b2] = true end
+          end
+          predicted[k] = rids
         end
       end
     end
   end
-  if not moved then break end
-  depth = depth + 1
-  i = i + 8
+end
+-- a whole segment every run still going holds (its counts per tier) or is predicted to
+local function skip_predicted(k)
+  local rids, held = predicted[k], {}
+  local whole = ends[k] or ''
+  for j = 1, #whole - 1 - TB, 2 + TB do
+    local b1, b2 = byte(whole, j, j + 1)
+    held[b1 * 256 + b2] = j
+  end
+  local now = {}
+  for _, rid in ipairs(order) do
+    local run = runs[rid]
+    if run[1] == depth then
+      local j = held[rid]
+      if j then
+        local g, c, st, rm = byte(whole, j + 2, j + 5)
+        now[#now + 1] = {run, g, c, st, rm, 0}
+      elseif rids and rids[rid] then
+        now[#now + 1] = {run, S, 0, 0, 0, S}
+      else
+        return false
+      end
+    end
+  end
+  if #now == 0 then return false end
+  for _, m in ipairs(now) do
+    local run = m[1]
+    run[1], run[2], run[3] = run[1] + S, run[2] + m[2], run[3] + m[3]
+    run[4], run[5], run[6] = run[4] + m[4], run[5] + m[5], run[6] + m[6]
+  end
+  depth = depth + S
+  return true
+end
+while i <= last do
+  local k = (i - 1) / (8 * S) + 1
+  if depth > 0 and k == floor(k) and predicted[k] and skip_predicted(k) then
+    i = i + 8 * S
+  else
+    local f = sub(chain, i, i + 7)
+    local moved = false
+    local v = call('HGET', block_bucket(bprefix, f), f)
+    if v then
+      for j = 1, #v - 1, 2 do
+        local b1, b2 = byte(v, j, j + 1)
+        local t = b2 % M
+        local run = run_of(b1 * R + (b2 - t) / M)
+        if run and run[1] == depth then
+          run[1] = depth + 1
+          run[SLOT[t]] = run[SLOT[t]] + 1
+          moved = true
+        end
+      end
+    end
+    local function extend(rid)  -- predicted: counts as GPU, unless real placements moved it
+      local run = run_of(rid)
+      if run and run[1] == depth then
+        run[1], run[2], run[6] = depth + 1, run[2] + 1, run[6] + 1
+        moved = true
+      end
+    end
+    local p = call('HGET', block_bucket(pprefix, f), f)
+    if p then
+      clock = clock or now_ms()
+      for j = 1, #p - 7, 8 do
+        local b1, b2 = byte(p, j, j + 1)
+        if expiry_of(p, j) > clock then extend(b1 * 256 + b2) end
+      end
+    end
+    for rid in pairs(predicted[floor(k)] or {}) do extend(rid) end
+    if not moved then break end
+    depth = depth + 1
+    i = i + 8
+  end
 end
 local stats = redis.call('HGETALL', ARGV[1] .. ':stats')
 local hprefix, n = ARGV[1] .. ':h:', #chain / 8
@@ -610,7 +712,9 @@ LOAD_SNAPSHOT: Final = (
 # drops the expired records of one of the buckets it writes (a different one each
 # millisecond): every bucket is swept about as often as it is written.
 # predict: records that replica ``rid`` will hold these blocks until now + ttl (dropping
-# expired entries and its own older entry on the way).
+# expired entries and its own older entry on the way): each segment of the prompt inside them
+# as one entry (``ps:``), the others block by block (``p:``), so a long prompt costs a write
+# per segment, not per block.
 _ROUTED: Final = (
     BUCKETS
     + PREDICTIONS
@@ -636,11 +740,8 @@ local function claim(hprefix, rid, ttl, anchors, clock)
   end
   return n
 end
-local function predict(prefix, rid, ttl, chain, clock)
-  if #chain == 0 then return 0 end
-  local pprefix = prefix .. ':p:'
-  local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock + ttl)
-  for i = 1, #chain - 7, 8 do
+local function predict_blocks(pprefix, rid, mine, ttl, chain, clock, from, to)
+  for i = from * 8 + 1, to * 8 - 7, 8 do
     local f = string.sub(chain, i, i + 7)
     local key = block_bucket(pprefix, f)
     local v = redis.call('HGET', key, f)
@@ -656,9 +757,52 @@ local function predict(prefix, rid, ttl, chain, clock)
     redis.call('HSET', key, f, table.concat(out))
     if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
   end
+end
+-- the whole segments ending at these keys, in one hash (one HMGET, one HSET per 1000)
+local function predict_segments(prefix, rid, mine, ttl, ends, clock)
+  local slot = math.floor((clock + ttl) / W)
+  local key = prefix .. ':ps:' .. slot
+  for c = 1, #ends, 1000 do
+    local part = {unpack(ends, c, math.min(c + 999, #ends))}
+    local got = redis.call('HMGET', key, unpack(part))
+    local args = {}
+    for x, f in ipairs(part) do
+      local out, v = {mine}, got[x]
+      if v then
+        for j = 1, #v - 7, 8 do
+          local b1, b2 = string.byte(v, j, j + 1)
+          if b1 * 256 + b2 ~= rid and expiry_of(v, j) > clock then
+            out[#out + 1] = string.sub(v, j, j + 7)
+          end
+        end
+      end
+      args[#args + 1] = f
+      args[#args + 1] = table.concat(out)
+    end
+    redis.call('HSET', key, unpack(args))
+  end
+  redis.call('PEXPIREAT', key, (slot + 1) * W)
+end
+-- chain: the blocks at positions first, first + 1, ... of a prompt; each segment [kS, kS + S)
+-- inside it is predicted whole, the blocks before the first and after the last one by one
+local function predict(prefix, rid, ttl, chain, clock, first, S)
+  local n = #chain / 8
+  if n == 0 then return 0 end
+  local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock + ttl)
+  local lo = math.ceil(first / S) * S - first  -- chain indices of the whole segments: lo..hi-1
+  local hi = math.floor((first + n) / S) * S - first
+  if hi <= lo then lo, hi = n, n end
+  local pprefix = prefix .. ':p:'
+  predict_blocks(pprefix, rid, mine, ttl, chain, clock, 0, lo)
+  predict_blocks(pprefix, rid, mine, ttl, chain, clock, hi, n)
+  if hi > lo then
+    local ends = {}
+    for i = lo + S, hi, S do ends[#ends + 1] = string.sub(chain, i * 8 - 7, i * 8) end
+    predict_segments(prefix, rid, mine, ttl, ends, clock)
+  end
   local plive = prefix .. ':plive'
   if redis.call('PTTL', plive) < ttl then redis.call('SET', plive, '1', 'PX', ttl) end
-  return #chain / 8
+  return n
 end
 """
 )
@@ -676,19 +820,22 @@ return claim(ARGV[1] .. ':h:', rid, tonumber(ARGV[3]), ARGV[4], now_ms())
 )
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, ttl ms, n x 8-byte block key,
-# replica name]. Returns the blocks predicted, or -1, writing nothing, when the rid no longer
+# replica name, the first key's position in its chain, blocks per segment]. Returns the
+# blocks predicted, or -1, writing nothing, when the rid no longer
 # belongs to that replica (Redis lost data, or the rid was released and reused).
 PREDICT: Final = (
     _ROUTED
     + """
 local rid = tonumber(ARGV[2])
 if redis.call('HGET', KEYS[1], rid) ~= ARGV[5] then return -1 end
-return predict(ARGV[1], rid, tonumber(ARGV[3]), ARGV[4], now_ms())
+return predict(ARGV[1], rid, tonumber(ARGV[3]), ARGV[4], now_ms(), tonumber(ARGV[6]),
+  tonumber(ARGV[7]))
 """
 )
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, replica name, prediction ttl ms,
-# predicted block keys, home ttl ms, anchor block keys] (8 bytes per key). PREDICT and CLAIM
+# predicted block keys, home ttl ms, anchor block keys (8 bytes per key), the first predicted
+# key's position in its chain, blocks per segment]. PREDICT and CLAIM
 # in one call: what a router writes after each request it routes. Returns 0, or -1, writing
 # nothing, when the rid no longer belongs to that replica.
 ROUTE: Final = (
@@ -697,7 +844,7 @@ ROUTE: Final = (
 local rid = tonumber(ARGV[2])
 if redis.call('HGET', KEYS[1], rid) ~= ARGV[3] then return -1 end
 local clock = now_ms()
-predict(ARGV[1], rid, tonumber(ARGV[4]), ARGV[5], clock)
+predict(ARGV[1], rid, tonumber(ARGV[4]), ARGV[5], clock, tonumber(ARGV[8]), tonumber(ARGV[9]))
 claim(ARGV[1] .. ':h:', rid, tonumber(ARGV[6]), ARGV[7], clock)
 return 0
 """

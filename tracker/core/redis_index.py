@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
@@ -220,13 +221,13 @@ class RedisIndex:
             lambda rid, rname: self._claim(
                 keys=rname, args=[tag, rid, _ms(ttl_s), _chain(anchors), replica]
             ),
-            self._touched_by_routing(nk, (), anchors),
+            self._touched_by_routing(nk, (), anchors, 0.0),
         )
 
     async def route(self, namespace: Namespace, route: Route) -> None:
         replica, keys, anchors = route.replica, route.keys, route.anchors
         if not keys or not anchors:  # one of the two, or nothing, to write
-            await self.predict(namespace, replica, keys, route.ttl_s)
+            await self._predict_from(namespace, replica, keys, route.ttl_s, route.first)
             await self.claim(namespace, replica, anchors, route.home_ttl_s)
             return
         nk = self.writer.keys_for(namespace)
@@ -236,13 +237,15 @@ class RedisIndex:
             _chain(keys),
             _ms(route.home_ttl_s),
             _chain(anchors),
+            route.first,
+            self.segment_blocks,
         ]
         await self._as_replica(
             "route",
             namespace,
             replica,
             lambda rid, rname: self._route(keys=rname, args=[tag, rid, replica, *args]),
-            self._touched_by_routing(nk, keys, anchors),
+            self._touched_by_routing(nk, keys, anchors, route.ttl_s),
         )
 
     def route_now(self, namespace: Namespace, route: Route) -> bool:
@@ -254,30 +257,40 @@ class RedisIndex:
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
     ) -> None:
+        await self._predict_from(namespace, replica, keys, ttl_s, 0)
+
+    async def _predict_from(
+        self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float, first: int
+    ) -> None:
+        """:meth:`predict` of ``keys`` starting at position ``first`` of their chain."""
         if not keys:
             return
         nk = self.writer.keys_for(namespace)
-        tag = nk.tag
+        tag, span = nk.tag, self.segment_blocks
         await self._as_replica(
             "predict",
             namespace,
             replica,
             lambda rid, rname: self._predict(
-                keys=rname, args=[tag, rid, _ms(ttl_s), _chain(keys), replica]
+                keys=rname, args=[tag, rid, _ms(ttl_s), _chain(keys), replica, first, span]
             ),
-            self._touched_by_routing(nk, keys, ()),
+            self._touched_by_routing(nk, keys, (), ttl_s),
         )
 
     def _touched_by_routing(
-        self, nk: schema.NamespaceKeys, keys: Sequence[int], anchors: Sequence[int]
+        self, nk: schema.NamespaceKeys, keys: Sequence[int], anchors: Sequence[int], ttl_s: float
     ) -> list[str]:
         """On a cluster, the keys a routing write touches besides the rname hash: prediction
-        buckets (and the live marker) of ``keys``, home buckets of ``anchors``."""
+        buckets (and the live marker) of ``keys``, home buckets of ``anchors``, and the slots
+        of segment predictions its expiry may fall in (by this host's clock, give or take a
+        slot: Redis' own decides)."""
         if not self.writer.cluster:
             return []
         touched = {nk.prediction_bucket(key) for key in keys}
         if keys:
             touched.add(nk.plive)
+            slot = (round(time.time() * 1000) + _ms(ttl_s)) // schema.PREDICTION_SLOT_MS
+            touched.update(nk.prediction_segments(s) for s in (slot - 1, slot, slot + 1))
         touched.update(nk.home_bucket(key) for key in anchors)
         return sorted(touched)
 

@@ -79,6 +79,7 @@ class _Pending:
         self.changes.placements.update(changes.placements)
         self.changes.engine.update(changes.engine)
         self.changes.segments.update(changes.segments)
+        self.changes.ends |= changes.ends
         if seq:
             self.seq = seq
 
@@ -239,7 +240,9 @@ class RedisWriter:
         placements = list(pending.changes.placements.items())
         engine = list(pending.changes.engine.items())
         segments = list(pending.changes.segments.items())
-        calls = max(1, -(-max(len(placements), len(engine), len(segments)) // OPS_PER_CALL))
+        ends = list(pending.changes.ends)
+        most = max(len(placements), len(engine), len(segments), len(ends))
+        calls = max(1, -(-most // OPS_PER_CALL))
         batches: list[list[Any]] = []
         declared: list[list[str]] = []
         for call in range(calls):
@@ -263,6 +266,7 @@ class RedisWriter:
                     ),
                     self.fence,
                     b"".join(_segment_op(k, segment) for k, segment in segments[window]),
+                    b"".join(k.to_bytes(8, "big") for k in ends[window]),
                 ]
             )
         if len(batches) == 1:
