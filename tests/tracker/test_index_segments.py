@@ -121,6 +121,7 @@ async def test_a_lookup_reads_one_entry_per_segment_held_whole(redis_url: str) -
         assert stats["cmdstat_hmget"]["calls"] <= 3, stats
         nk = index.writer.keys_for(LLAMA)
         entries = await client.hget(nk.segments, schema.field(block_keys(LONG, LLAMA)[S - 1]))
+        assert isinstance(entries, bytes)
         rids = {await index.writer.rid(r, LLAMA): r for r in ("a", "b")}
         assert {rids[rid]: counts for rid, counts in schema.segment_entries(entries)} == {
             "a": (S, 0, 0, 0),
