@@ -455,7 +455,7 @@ end
 settle()
 local clock = nil
 -- phase 2's segments predicted whole: per segment of the chain, the rids predicted to hold it
-local predicted = {}
+local predicted, parsed, raw = {}, {}, {}
 local left = i <= last and call('PTTL', ARGV[1] .. ':plive') or -2
 local k0 = floor((i - 1) / (8 * S)) + 1
 if left > 0 and k0 <= #ends then
@@ -466,23 +466,41 @@ if left > 0 and k0 <= #ends then
       local got = call('HMGET', key, unpack(ARGV, c, math.min(c + 999, #ARGV)))
       for x = 1, #got do
         local p = got[x]
-        if p then
+        if p then  -- entries of several slots: one list
           local k = c - 6 + x
-          local rids = predicted[k] or {}
-          for j = 1, #p - 7, 8 do
-            local b1, b2 = byte(p, j, j + 1)
-            if expiry_of(p, j) > clock then rids[b1 * 256 + b2] = true end
-          end
-          predicted[k] = rids
+          raw[k] = (raw[k] or '') .. p
         end
       end
     end
   end
+  for k, p in pairs(raw) do
+    local rids = parsed[p]  -- a route writes the same value into all its segments
+    if not rids then
+      rids = {}
+      for j = 1, #p - 7, 8 do
+        local b1, b2 = byte(p, j, j + 1)
+        if expiry_of(p, j) > clock then rids[b1 * 256 + b2] = true end
+      end
+      parsed[p] = rids
+    end
+    predicted[k] = rids
+  end
 end
--- a whole segment every run still going holds (its counts per tier) or is predicted to
+-- a whole segment every run still going holds (its counts per tier) or is predicted to; the
+-- next segment with the same predictions and holders moves the same runs by the same counts
+local last_rids, last_whole, last_moves = nil, nil, nil
 local function skip_predicted(k)
   local rids, held = predicted[k], {}
   local whole = ends[k] or ''
+  if rids == last_rids and whole == last_whole then
+    for _, m in ipairs(last_moves) do
+      local run = m[1]
+      run[1], run[2], run[3] = run[1] + S, run[2] + m[2], run[3] + m[3]
+      run[4], run[5], run[6] = run[4] + m[4], run[5] + m[5], run[6] + m[6]
+    end
+    depth = depth + S
+    return true
+  end
   for j = 1, #whole - 1 - TB, 2 + TB do
     local b1, b2 = byte(whole, j, j + 1)
     held[b1 * 256 + b2] = j
@@ -503,19 +521,15 @@ local function skip_predicted(k)
     end
   end
   if #now == 0 then return false end
-  for _, m in ipairs(now) do
-    local run = m[1]
-    run[1], run[2], run[3] = run[1] + S, run[2] + m[2], run[3] + m[3]
-    run[4], run[5], run[6] = run[4] + m[4], run[5] + m[5], run[6] + m[6]
-  end
-  depth = depth + S
-  return true
+  last_rids, last_whole, last_moves = rids, whole, now
+  return skip_predicted(k)
 end
 while i <= last do
   local k = (i - 1) / (8 * S) + 1
   if depth > 0 and k == floor(k) and predicted[k] and skip_predicted(k) then
     i = i + 8 * S
   else
+    last_rids = nil  -- the runs going on may change
     local f = sub(chain, i, i + 7)
     local moved = false
     local v = call('HGET', block_bucket(bprefix, f), f)
