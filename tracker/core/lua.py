@@ -50,6 +50,12 @@ def _slot(tiers: int) -> int:
     return 2 + (tiers & -tiers).bit_length() - 1
 
 
+# Segment entries and segment predictions are read hundreds of fields per HMGET: a hash in
+# Redis' compact listpack encoding is scanned once per field asked, so each such hash holds a
+# field "" with a value longer than any listpack keeps (hash-max-listpack-value, 64 by
+# default), which makes Redis keep it as a hashtable from its first write.
+_HASHTABLE: Final = "local HASHTABLE = string.rep('-', 1024)\n"
+
 # The entry layout of block buckets: rid in the high bits (R rids per high byte), tiers in the
 # low TIER_BITS (M values); engine-map values are E bytes; segment-bucket entries are rid
 # (2 bytes) + blocks per tier (TB bytes); SLOT[tiers] is where a lookup run counts a block
@@ -167,6 +173,7 @@ APPLY_FENCED: Final = -2
 APPLY: Final = (
     BUCKETS
     + LAYOUT
+    + _HASHTABLE
     + f"local W = {PREDICTION_SLOT_MS}\n"
     + """
 local replica, seq, rid, tag = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
@@ -253,6 +260,7 @@ for i = 1, #engine - E - 8, E + 9 do
 end
 local segments, key = ARGV[8] or '', tag .. ':s'
 local mine, none = string.char(math.floor(rid / 256), rid % 256), string.rep('\0', TB)
+if #segments > 0 then redis.call('HSETNX', key, '', HASHTABLE) end
 for i = 1, #segments - 7 - TB, 8 + TB do
   local f = string.sub(segments, i, i + 7)
   local counts = string.sub(segments, i + 8, i + 7 + TB)
@@ -362,10 +370,17 @@ end
 local sub, byte, floor, call = string.sub, string.byte, math.floor, redis.call
 local last, heads = #chain - 7, {}
 -- every segment's holders at once (ARGV[6..]: the keys of the chain's segment ends)
-local ends = {}
-for k = 6, #ARGV, 1000 do
-  local got = call('HMGET', ARGV[1] .. ':s', unpack(ARGV, k, math.min(k + 999, #ARGV)))
-  for _, v in ipairs(got) do ends[#ends + 1] = v end
+local ends, nends = nil, #ARGV - 5
+local function load_ends()  -- once, and only when some replica holds the first block
+  if ends then return end
+  ends = {}
+  for k = 6, #ARGV, 1000 do
+    local got = call('HMGET', ARGV[1] .. ':s', unpack(ARGV, k, math.min(k + 999, #ARGV)))
+    for _, v in ipairs(got) do ends[#ends + 1] = v end
+  end
+end
+if last > 0 and call('HGET', block_bucket(bprefix, sub(chain, 1, 8)), sub(chain, 1, 8)) then
+  load_ends()
 end
 -- a segment every replica still matching holds whole: all of them skip it; the next segment
 -- with the same value (interned: an O(1) comparison) moves the same runs by the same counts
@@ -402,7 +417,7 @@ end
 while i <= last do
   local skipped = false
   local k = (i - 1) / (8 * S) + 1
-  local whole = k == floor(k) and ends[k]
+  local whole = k == floor(k) and ends and ends[k]
   if whole and whole == skipped_value then  -- nothing walked since: the same runs go on
     local times = 1
     while ends[k + times] == whole do times = times + 1 end
@@ -458,7 +473,7 @@ local clock = nil
 local predicted, parsed, raw = {}, {}, {}
 local left = i <= last and call('PTTL', ARGV[1] .. ':plive') or -2
 local k0 = floor((i - 1) / (8 * S)) + 1
-if left > 0 and k0 <= #ends then
+if left > 0 and k0 <= nends then
   clock = now_ms()
   for slot = floor(clock / W), floor((clock + left) / W) do
     local key = ARGV[1] .. ':ps:' .. slot
@@ -490,6 +505,7 @@ end
 -- next segment with the same predictions and holders moves the same runs by the same counts
 local last_rids, last_whole, last_moves = nil, nil, nil
 local function skip_predicted(k)
+  load_ends()
   local rids, held = predicted[k], {}
   local whole = ends[k] or ''
   if rids == last_rids and whole == last_whole then
@@ -732,6 +748,7 @@ LOAD_SNAPSHOT: Final = (
 _ROUTED: Final = (
     BUCKETS
     + PREDICTIONS
+    + _HASHTABLE
     + """
 local function claim(hprefix, rid, ttl, anchors, clock)
   local n = #anchors / 8
@@ -776,6 +793,7 @@ end
 local function predict_segments(prefix, rid, mine, ttl, ends, clock)
   local slot = math.floor((clock + ttl) / W)
   local key = prefix .. ':ps:' .. slot
+  redis.call('HSETNX', key, '', HASHTABLE)
   for c = 1, #ends, 1000 do
     local part = {unpack(ends, c, math.min(c + 999, #ends))}
     local got = redis.call('HMGET', key, unpack(part))
