@@ -233,7 +233,7 @@ class IndexBenchSettings(Settings):
     suffixes: int = setting(8, "continuations of each prefix")
     suffix_blocks: int = setting(16, "blocks of each continuation")
     iterations: int = setting(2000, "lookups timed per index")
-    concurrency: int = setting(16, "router requests in flight (capacity stage)")
+    concurrency: int = setting(4, "router requests in flight (capacity stage)")
     seconds: float = setting(5.0, "length of each capacity run")
     max_chain_blocks: int = setting(6400, "longest prompt of the capacity runs, in blocks")
     capacity_only: bool = setting(False, "run the capacity stage alone (no ingest, no memory)")

@@ -205,10 +205,11 @@ class ReplicaLedger:
         self.engine: dict[int, EngineBlock] = {}
         self.refs: dict[int, list[int]] = {}
         self.orphans: Counter[int] = Counter()
-        # per held key: (parent key, depth); per key, its held children (a segment's blocks
-        # and the segment ends a change of one of them touches are found through these)
-        self.links: dict[int, tuple[int, int]] = {}
-        self.children: dict[int, set[int]] = {}
+        # refs[key] is [GPU, CPU, storage, remote references, parent key, depth]; per key, its
+        # held children (a segment's blocks and the segment ends a change of one of them
+        # touches are found through these)
+        self.child: dict[int, int] = {}  # a key's first held child (plain ints: no GC load)
+        self.children: dict[int, set[int]] = {}  # ... and its others, when it has several
         self.segments: dict[int, Segment] = {}
         """Every segment the replica holds whole now, by its last block's key."""
         self._dirty: set[int] = set()
@@ -235,13 +236,13 @@ class ReplicaLedger:
             self.engine[engine_hash] = block
             refs = self.refs.get(block.key)
             if refs is None:
-                refs = self.refs[block.key] = [0, 0, 0, 0]
+                refs = self.refs[block.key] = [0, 0, 0, 0, block.parent, block.depth]
                 self._link(block.key, block.parent, block.depth)
             for slot, count in enumerate(block.counts()):
                 refs[slot] += count
         span = self.segment_blocks
-        for key, (_, depth) in self.links.items():
-            if depth % span == span - 1:
+        for key, refs in self.refs.items():
+            if refs[5] % span == span - 1:
                 segment = self._segment(key)
                 if segment is not None:
                     self.segments[key] = segment
@@ -279,7 +280,7 @@ class ReplicaLedger:
         self.engine.clear()
         self.refs.clear()
         self.orphans.clear()
-        self.links.clear()
+        self.child.clear()
         self.children.clear()
         self.segments.clear()
         self._dirty.clear()
@@ -292,34 +293,50 @@ class ReplicaLedger:
     # ------------------------------------------------------------------ segments
 
     def _link(self, key: int, parent: int, depth: int) -> None:
-        self.links[key] = (parent, depth)
+        """``key`` (at ``depth``) is held: a child of ``parent``."""
         if depth:
-            children = self.children.get(parent)
-            if children is None:
-                self.children[parent] = {key}
-            else:
-                children.add(key)
+            first = self.child.get(parent)
+            if first is None:
+                self.child[parent] = key
+            elif first != key:
+                self.children.setdefault(parent, set()).add(key)
 
-    def _unlink(self, key: int) -> None:
-        parent, depth = self.links.pop(key)
-        if depth:
-            children = self.children[parent]
-            children.discard(key)
-            if not children:
-                del self.children[parent]
+    def _unlink(self, key: int, parent: int, depth: int) -> None:
+        """``key`` is no longer held."""
+        if not depth:
+            return
+        more = self.children.get(parent)
+        if self.child.get(parent) == key:
+            if more:
+                self.child[parent] = more.pop()
+            else:
+                del self.child[parent]
+        elif more:
+            more.discard(key)
+        if more is not None and not more:
+            del self.children[parent]
+
+    def _children_of(self, key: int) -> tuple[int, ...]:
+        first = self.child.get(key)
+        if first is None:
+            return ()
+        more = self.children.get(key)
+        return (first, *more) if more else (first,)
 
     def _touched(self, key: int) -> None:
         """``key`` (held, linked) changed where a lookup counts it: the segment ends it is in
         are due for :meth:`_settle` (the held ones: a segment not held whole has no entry)."""
-        depth, span = self.links[key][1], self.segment_blocks
-        last = depth - depth % span + span - 1
-        if depth == last:
+        span = self.segment_blocks
+        below = span - 1 - self.refs[key][5] % span  # levels down to its segment's end
+        if not below:
             self._dirty.add(key)
             self._ends.add(key)
             return
-        level = [key]
-        for _ in range(last - depth):
-            level = [child for k in level for child in self.children.get(k, ())]
+        level: Iterable[int] = self._children_of(key)
+        if not level:  # the usual: a chain stored in order, its blocks' children later
+            return
+        for _ in range(below - 1):
+            level = [child for k in level for child in self._children_of(k)]
             if not level:
                 return
         self._dirty.update(level)
@@ -333,7 +350,7 @@ class ReplicaLedger:
             if refs is None:
                 return None
             counts[_BEST[tiers_of(refs)]] += 1
-            key, depth = self.links[key]
+            key, depth = refs[4], refs[5]
             if depth % span == 0:
                 break
         return counts[0], counts[1], counts[2], counts[3]
@@ -365,26 +382,32 @@ class ReplicaLedger:
         slot: int,
         delta: int,
         changes: LedgerChanges,
-        link: tuple[int, int] | None = None,
+        *,
+        parent: int = 0,
+        depth: int = -1,
     ) -> None:
         """``delta`` references to ``key`` in the tier of index ``slot`` (:data:`TIERS`);
-        ``link`` (parent key, depth) places a key the replica did not hold yet."""
+        ``parent`` and ``depth`` place a key the replica did not hold yet."""
         refs = self.refs.get(key)
-        if refs is None:
-            assert link is not None, "only a stored block brings a key the ledger lacks"
-            refs = self.refs[key] = [0, 0, 0, 0]
-            self._link(key, *link)
-            before = 0
-        else:
-            before = (refs[0] > 0) | (refs[1] > 0) << 1 | (refs[2] > 0) << 2 | (refs[3] > 0) << 3
+        if refs is None:  # a new key (this runs once per block event: the usual case inline)
+            assert depth >= 0, "only a stored block brings a key the ledger lacks"
+            refs = self.refs[key] = [0, 0, 0, 0, parent, depth]
+            refs[slot] = delta
+            self._link(key, parent, depth)
+            span = self.segment_blocks
+            if depth % span == span - 1 or key in self.child:
+                self._touched(key)
+            changes.placements[key] = 1 << slot
+            return
+        before = (refs[0] > 0) | (refs[1] > 0) << 1 | (refs[2] > 0) << 2 | (refs[3] > 0) << 3
         refs[slot] += delta
-        # tiers_of(refs), inline: this runs once per block event
+        # tiers_of(refs), inline
         mask = (refs[0] > 0) | (refs[1] > 0) << 1 | (refs[2] > 0) << 2 | (refs[3] > 0) << 3
         if _BEST[mask] != _BEST[before]:
             self._touched(key)
         if not mask:
             del self.refs[key]
-            self._unlink(key)
+            self._unlink(key, refs[4], refs[5])
         changes.placements[key] = mask
 
     def _stored(self, event: BlockStored, changes: LedgerChanges) -> None:
@@ -434,10 +457,10 @@ class ReplicaLedger:
                 if block is not None:
                     changes.stats["hash_conflict"] += 1
                     self._drop(engine_hash, block, changes)
-                block = self.engine[engine_hash] = EngineBlock(key, parent=previous, depth=depth)
+                block = self.engine[engine_hash] = EngineBlock(key, 0, 0, 0, 0, previous, depth)
             block.add(tier, 1)
             self.orphans.pop(engine_hash, None)
-            self._touch(key, slot, 1, changes, (previous, depth))
+            self._touch(key, slot, 1, changes, parent=previous, depth=depth)
             changes.engine[engine_hash] = block
             previous, depth = key, depth + 1
         changes.stats["stored"] += len(hashes)
