@@ -14,10 +14,10 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from bench.stack.redis_servers import RedisServer, sync_redis
 from tracker.core.backends import open_index
@@ -25,11 +25,22 @@ from tracker.core.blocks import Namespace, block_keys
 from tracker.core.event_codec import WireEra, decode_batch, encode_batch
 from tracker.core.events import BlockStored, EventBatch, ExternalHash
 from tracker.core.index import BlockIndex, Route
+from tracker.core.keys import home_anchors
 from tracker.core.redis_index import RedisIndex
 from tracker.framework.cli import parse_argv
 from tracker.framework.settings import Settings, setting
 
 NAMESPACE = Namespace("bench-model", 16)
+CAPACITY_CASES: Final = (
+    (128, 0.1, True),
+    (128, 1.0, False),
+    (512, 0.1, True),
+    (512, 1.0, False),
+    (6400, 0.02, True),  # a growing session: ~2k new tokens of 100k
+    (6400, 0.1, True),
+    (6400, 1.0, False),
+)
+"""(prompt blocks, share of them new, held by a replica): hits and misses of 2k-100k tokens."""
 
 
 def workload(
@@ -123,40 +134,63 @@ async def request_capacity(
     new_share: float,
     concurrency: int,
     seconds: float,
+    held: bool = True,
 ) -> dict[str, float]:
     """What one Redis primary serves of the router's per-request work: the lookup with every
     router's load (one ``EVALSHA``) and the routing write (one more: predictions for the
     ``new_share`` of the prompt's blocks the chosen replica does not hold yet, as the router
-    predicts only those, and the home claim), for a prompt of ``chain_blocks`` blocks that 8
-    replicas hold to varying depth.
+    predicts only those, and the home claim at the chain's anchors), for a prompt of
+    ``chain_blocks`` blocks that 8 replicas hold to varying depth (replica 0 whole), or, not
+    ``held``, that no replica holds (a miss: the lookup stops at the first block).
 
-    Redis CPU per request is measured from ``INFO cpu`` (the client here shares the machine,
-    so requests/s is what this client reached; ``capacity_per_s`` is what one Redis core
-    would serve: requests over Redis CPU seconds)."""
-    keys = await place_chain(index, chain_blocks, 8, random.Random(chain_blocks), "capacity")
-    anchors = keys[:: max(1, len(keys) // 8)]
+    The lookups run for half of ``seconds``, then the routing writes, each with its own Redis
+    CPU from ``INFO cpu`` (the client here shares the machine, so requests/s is what this
+    client reached; ``capacity_per_s`` is what one Redis core would serve: requests over
+    Redis CPU seconds)."""
+    rng = random.Random(chain_blocks)
+    if held:
+        keys = await place_chain(index, chain_blocks, 8, rng, "capacity")
+    else:
+        await place_chain(index, chain_blocks, 8, rng, "capacity")  # other prompts, cached
+        keys = [rng.getrandbits(64) for _ in range(chain_blocks)]
+    anchors = [keys[p] for p in home_anchors(len(keys))]
     new = keys[len(keys) - max(1, round(len(keys) * new_share)) :]
-    done = 0
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
 
-    async def client(n: int) -> None:
-        nonlocal done
-        while loop.time() < deadline:
-            await index.survey(NAMESPACE, keys, load_except=f"bench-router-{n}")
-            await index.route(NAMESPACE, Route(f"capacity-{n % 8}", new, 3.0, anchors, 60.0))
-            done += 1
+    async def timed(step: Callable[[int], Awaitable[object]]) -> tuple[int, float, float]:
+        done = 0
+        deadline = loop.time() + seconds / 2
 
-    cpu, start = redis_cpu_s(url), time.perf_counter()
-    await asyncio.gather(*(client(n) for n in range(concurrency)))
-    wall, cpu = time.perf_counter() - start, redis_cpu_s(url) - cpu
+        async def client(n: int) -> None:
+            nonlocal done
+            while loop.time() < deadline:
+                await step(n)
+                done += 1
+
+        cpu, start = redis_cpu_s(url), time.perf_counter()
+        await asyncio.gather(*(client(n) for n in range(concurrency)))
+        return done, time.perf_counter() - start, redis_cpu_s(url) - cpu
+
+    looked, lookup_wall, lookup_cpu = await timed(
+        lambda n: index.survey(NAMESPACE, keys, load_except=f"bench-router-{n}")
+    )
+    routed, route_wall, route_cpu = await timed(
+        lambda n: index.route(NAMESPACE, Route(f"capacity-{n % 8}", new, 3.0, anchors, 60.0))
+    )
+    per_request = lookup_cpu / looked + route_cpu / routed
+    wall = lookup_wall / looked + route_wall / routed
     return {
         "chain_blocks": chain_blocks,
+        "held": held,
         "new_share": new_share,
-        "requests_per_s": done / wall,
-        "redis_cpu_ms_per_request": cpu * 1e3 / done,
-        "capacity_per_s": done / cpu if cpu > 0 else float("inf"),
-        "redis_cpu_share": cpu / wall,
+        "new_blocks": len(new),
+        "requests_per_s": 1 / wall,
+        "lookup_redis_cpu_ms": lookup_cpu * 1e3 / looked,
+        "route_redis_cpu_ms": route_cpu * 1e3 / routed,
+        "redis_cpu_ms_per_request": per_request * 1e3,
+        "capacity_per_s": 1 / per_request if per_request > 0 else float("inf"),
+        "lookups_per_redis_core_s": looked / lookup_cpu if lookup_cpu > 0 else float("inf"),
+        "redis_cpu_share": (lookup_cpu + route_cpu) / (lookup_wall + route_wall),
     }
 
 
@@ -199,9 +233,50 @@ class IndexBenchSettings(Settings):
     suffixes: int = setting(8, "continuations of each prefix")
     suffix_blocks: int = setting(16, "blocks of each continuation")
     iterations: int = setting(2000, "lookups timed per index")
-    concurrency: int = setting(16, "router requests in flight (capacity stage)")
+    concurrency: int = setting(4, "router requests in flight (capacity stage)")
     seconds: float = setting(5.0, "length of each capacity run")
+    max_chain_blocks: int = setting(6400, "longest prompt of the capacity runs, in blocks")
+    capacity_only: bool = setting(False, "run the capacity stage alone (no ingest, no memory)")
     json: str = setting("bench/results/index.json", "where the JSON document goes")
+
+
+async def capacity_runs(
+    index: RedisIndex, url: str, settings: IndexBenchSettings
+) -> list[dict[str, float]]:
+    """Every capacity case of :data:`CAPACITY_CASES` up to ``settings.max_chain_blocks``."""
+    return [
+        await request_capacity(
+            index,
+            url,
+            blocks,
+            new_share=share,
+            concurrency=settings.concurrency,
+            seconds=settings.seconds,
+            held=held,
+        )
+        for blocks, share, held in CAPACITY_CASES
+        if blocks <= settings.max_chain_blocks
+    ]
+
+
+async def capacity_alone(
+    settings: IndexBenchSettings, payloads: dict[str, list[bytes]]
+) -> list[dict[str, float]]:
+    """The capacity stage over the fleet workload's index, nothing else."""
+    server = None if settings.redis else RedisServer().start()
+    url = settings.redis or server.url  # type: ignore[union-attr]
+    try:
+        with sync_redis(url) as client:
+            client.flushall()
+        index = open_index(url)
+        await ingest(index, payloads)
+        assert isinstance(index, RedisIndex)
+        requests = await capacity_runs(index, url, settings)
+        await index.close()
+        return requests
+    finally:
+        if server is not None:
+            server.close()
 
 
 async def main_async(settings: IndexBenchSettings) -> dict[str, Any]:
@@ -214,6 +289,9 @@ async def main_async(settings: IndexBenchSettings) -> dict[str, Any]:
         seed=1,
     )
     results: dict[str, Any] = {"pairs": pairs, "replicas": settings.replicas}
+    if settings.capacity_only:
+        results["requests"] = await capacity_alone(settings, payloads)
+        return results
     results["block_keys_per_ms"] = key_chain_rate(4096)
 
     memory = open_index(None)
@@ -236,18 +314,8 @@ async def main_async(settings: IndexBenchSettings) -> dict[str, Any]:
         with sync_redis(url) as client:
             after = int(client.info("memory")["used_memory"])
         lookup = await lookup_latency(index, 512, 8, settings.iterations, 2)
-        capacity = [
-            await request_capacity(
-                index,
-                url,
-                blocks,
-                new_share=share,
-                concurrency=settings.concurrency,
-                seconds=settings.seconds,
-            )
-            for blocks in (128, 512, 6400)
-            for share in (0.1, 1.0)
-        ]
+        assert isinstance(index, RedisIndex)
+        capacity = await capacity_runs(index, url, settings)
         await index.close()
         results["redis"] = {
             "ingest_blocks_per_s": pairs / seconds,
@@ -267,7 +335,27 @@ async def main_async(settings: IndexBenchSettings) -> dict[str, Any]:
     return results
 
 
+def capacity_rows(requests: Sequence[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The capacity stage's rows: Redis CPU of the lookup and of the routing write."""
+    rows = []
+    for cap in requests:
+        case = "a hit" if cap.get("held", True) else "a miss"
+        rows.append(
+            (
+                f"router request, {cap['chain_blocks']:,}-block prompt, {case}, "
+                f"{cap['new_share']:.0%} new: Redis CPU ms lookup + route = total / "
+                "requests per Redis core-second",
+                f"{cap.get('lookup_redis_cpu_ms', 0):.3f} + {cap.get('route_redis_cpu_ms', 0):.3f}"
+                f" = {cap['redis_cpu_ms_per_request']:.3f} / {cap['capacity_per_s']:,.0f}",
+                ">= 1,000 at 6,400 blocks" if cap["chain_blocks"] >= 6400 else "-",
+            )
+        )
+    return rows
+
+
 def report(results: dict[str, Any]) -> str:
+    if "requests" in results:  # the capacity stage alone
+        return _table(capacity_rows(results["requests"]))
     emb, red = results["embedded"], results["redis"]
     rows = [
         ("block keys hashed per ms", f"{results['block_keys_per_ms']:,.0f}", "thousands"),
@@ -291,22 +379,18 @@ def report(results: dict[str, Any]) -> str:
             "-",
         ),
     ]
-    for cap in red["requests"]:
-        rows.append(
-            (
-                f"router request, {cap['chain_blocks']:,}-block prompt, "
-                f"{cap['new_share']:.0%} new: Redis CPU (ms) / requests per Redis core-second",
-                f"{cap['redis_cpu_ms_per_request']:.3f} / {cap['capacity_per_s']:,.0f}",
-                "-",
-            )
-        )
+    rows += capacity_rows(red["requests"])
     for n, value in red["bytes_per_block_one_replica"].items():
         rows.append(
             (f"  one replica, {int(n):,} unshared blocks: bytes/block", f"{value:.1f}", "-")
         )
+    return _table(rows)
+
+
+def _table(rows: Sequence[tuple[str, str, str]]) -> str:
     width = max(len(r[0]) for r in rows)
-    lines = [f"{'metric':<{width}}  {'measured':>20}  target", "-" * (width + 36)]
-    lines += [f"{name:<{width}}  {value:>20}  {target}" for name, value, target in rows]
+    lines = [f"{'metric':<{width}}  {'measured':>24}  target", "-" * (width + 40)]
+    lines += [f"{name:<{width}}  {value:>24}  {target}" for name, value, target in rows]
     return "\n".join(lines)
 
 

@@ -50,6 +50,7 @@ BLOCK_SIZE: Final = 16
 REPLICAS: Final = 8
 QUESTION_TOKENS: Final = 100
 EVENT_BLOCKS: Final = 512  # blocks per BlockStored: one 8k-token chunked-prefill step
+SESSION_FROM_TOKENS: Final = 32_000  # prompt sizes with a growing-session case
 Messages = list[dict[str, str]]
 
 
@@ -85,18 +86,28 @@ def chat_request(messages: Messages) -> PromptRequest:
     return parse(msgspec.json.encode(body), "chat")
 
 
-async def store(index: BlockIndex, replica: str, tokens: Sequence[int], rng: random.Random) -> None:
-    """Index ``tokens``' full blocks on ``replica`` as its engine's prefill events would."""
+async def store(
+    index: BlockIndex,
+    replica: str,
+    tokens: Sequence[int],
+    rng: random.Random,
+    *,
+    first: int = 0,
+    parent: ExternalHash | None = None,
+) -> ExternalHash | None:
+    """Index ``tokens``' full blocks from block ``first`` on (after the block of engine hash
+    ``parent``) on ``replica`` as its engine's prefill events would; returns the engine hash
+    of the last block stored."""
     namespace = Namespace(MODEL, BLOCK_SIZE)
-    parent: ExternalHash | None = None
     whole = len(tokens) // BLOCK_SIZE
-    for start in range(0, whole, EVENT_BLOCKS):
+    for start in range(first, whole, EVENT_BLOCKS):
         count = min(EVENT_BLOCKS, whole - start)
         hashes: list[ExternalHash] = [rng.getrandbits(63) for _ in range(count)]
         chunk = list(tokens[start * BLOCK_SIZE : (start + count) * BLOCK_SIZE])
         event = BlockStored(hashes, parent, chunk, BLOCK_SIZE, medium="GPU")
         await index.apply(replica, namespace, EventBatch(time.time(), [event], 0))
         parent = hashes[-1]
+    return parent
 
 
 async def populate_background(index: BlockIndex, blocks: int, seed: int) -> None:
@@ -232,6 +243,66 @@ async def repeated_prefix(
     return results
 
 
+async def index_miss(
+    bench: Bench, size: int, iterations: int, rng: random.Random
+) -> dict[str, Any]:
+    """A long prefix the tokenizer has seen but no replica holds (evicted everywhere): the
+    lookup stops at the first block."""
+    workload = bench.workload
+    prefix = workload.conversation(rng, size - QUESTION_TOKENS)
+    requests = [chat_request([*prefix, workload.question(rng)]) for _ in range(iterations + 3)]
+    gc.collect()
+    placements = (await bench.run(requests))[3:]
+    result = stage_summary(placements)
+    if isinstance(bench.index, RedisIndex):
+        result["server_walk_ms"] = await server_walk_ms(bench.index, placements[-1].keys)
+    return result
+
+
+async def growing_session(
+    bench: Bench, size: int, turns: int, rng: random.Random, turn_tokens: int = 2_000
+) -> dict[str, Any]:
+    """An agent's session: each turn is the previous prompt, its answer and a new tool result
+    of ``turn_tokens``, from ``size`` - ``turns`` x ``turn_tokens`` / 2 tokens on; after each
+    decision replica 0 holds the prompt (its engine prefilled it) and the replicas r > 0 the
+    first (8 - r) / 8 of the session's first prompt."""
+    workload = bench.workload
+    tokenizer = bench.decider.tokenizers.for_model(MODEL).tokenizer
+    messages = workload.conversation(rng, max(4_000, size - turns * turn_tokens // 2))
+    depth_rng = random.Random(size + 1)
+    first = tokenizer.chat_token_ids(messages)
+    for r in range(1, REPLICAS):
+        await store(
+            bench.index, f"replica-{r}", first[: len(first) * (REPLICAS - r) // REPLICAS], depth_rng
+        )
+    held, parent = 0, None
+    placements: list[Placement] = []
+    gc.collect()
+    for turn in range(turns + 1):
+        messages.append({"role": "assistant", "content": workload.lexicon.text(rng, 400)})
+        messages.append(
+            {
+                "role": "user",
+                "content": workload.lexicon.text(
+                    rng, round(turn_tokens * workload.chars_per_token)
+                ),
+            }
+        )
+        placement = await bench.decider.place(chat_request(messages))
+        if turn:  # the first turn tokenizes the whole session
+            placements.append(placement)
+        served = tokenizer.chat_token_ids(messages)
+        parent = await store(bench.index, "replica-0", served, depth_rng, first=held, parent=parent)
+        held = len(served) // BLOCK_SIZE
+    result = stage_summary(placements)
+    result["matched_blocks_mean"] = statistics.fmean(
+        p.matches["replica-0"].blocks for p in placements if "replica-0" in p.matches
+    )
+    if isinstance(bench.index, RedisIndex):
+        result["server_walk_ms"] = await server_walk_ms(bench.index, placements[-1].keys)
+    return result
+
+
 async def server_walk_ms(index: RedisIndex, keys: list[int], calls: int = 20) -> float:
     """Redis' own time per lookup script call (INFO commandstats), without the round trip."""
     namespace = Namespace(MODEL, BLOCK_SIZE)
@@ -323,8 +394,13 @@ async def decision_overhead(
                 sizes_out[str(size)] = {
                     "repeated_prefix": repeated["redis"],
                     "repeated_prefix_embedded": repeated["embedded"],
+                    "index_miss": await index_miss(redis, size, iterations(size, "repeated"), rng),
                     "never_seen": await never_seen(redis, size, iterations(size, "never"), rng),
                 }
+                if size >= SESSION_FROM_TOKENS:
+                    sizes_out[str(size)]["growing_session"] = await growing_session(
+                        redis, size, iterations(size, "session"), rng
+                    )
             stats = book.default.stats
             await other.stop()
             for bench in (redis, embedded):
@@ -364,10 +440,14 @@ def decision_table(results: dict[str, Any]) -> str:
     cases = (
         ("repeated_prefix", "repeated, redis"),
         ("repeated_prefix_embedded", "repeated, embedded"),
+        ("index_miss", "miss, redis"),
+        ("growing_session", "session, redis"),
         ("never_seen", "never-seen, redis"),
     )
     for by_case in results["sizes"].values():
         for case, label in cases:
+            if case not in by_case:
+                continue
             r = by_case[case]
 
             def pair(stage: str, stages: dict[str, Any] = r["stages"]) -> str:
@@ -381,12 +461,18 @@ def decision_table(results: dict[str, Any]) -> str:
                 f"{pair('tokenize'):>13} {pair('hash'):>11} {pair('lookup'):>11} "
                 f"{pair('score'):>9} {pair('total'):>13}  {raw:>6} {ratio:>5}  {over}"
             )
-    walks = [
-        f"{by_case['repeated_prefix']['prompt_tokens_mean']:,.0f} tokens "
-        f"{by_case['repeated_prefix']['server_walk_ms']:.2f} ms"
-        for by_case in results["sizes"].values()
-    ]
-    lines.append("lookup script time inside redis-server (repeated prefix): " + ", ".join(walks))
+    for case, label in (
+        ("repeated_prefix", "repeated prefix"),
+        ("index_miss", "miss"),
+        ("growing_session", "session"),
+    ):
+        walks = [
+            f"{by_case[case]['prompt_tokens_mean']:,.0f} tokens "
+            f"{by_case[case]['server_walk_ms']:.2f} ms"
+            for by_case in results["sizes"].values()
+            if case in by_case
+        ]
+        lines.append(f"lookup script time inside redis-server ({label}): " + ", ".join(walks))
     tok = results["tokenizer"]
     lines.append(
         f"tokenizer: {tok['vocab_size']:,}-token BPE, {tok['chars_per_token']:.2f} chars/token, "
@@ -423,6 +509,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def iterations(size: int, case: str) -> int:
         # a never-seen request costs a full tokenization, twice
+        if case == "session":  # turns of 2k tokens, each tokenized anew
+            return max(5, round(40 * scale))
         base = (400 if size <= 8_000 else 200) if case == "repeated" else 2_000_000 // size
         return max(5, round(min(base, 400 if case == "repeated" else 200) * scale))
 

@@ -379,13 +379,15 @@ class Decider:
         if not (placement.request.stream if sees_first_token is None else sees_first_token):
             delay = max(0.0, score.expected_ttft_ms / 1000)
             attempt.timer = asyncio.get_running_loop().call_later(delay, lease.first_token)
+        placed = placement.placed_blocks(replica)
         route = Route(
             replica,
-            keys[placement.placed_blocks(replica) :],
+            keys[placed:],
             self.settings.predict_ttl_s,
             [keys[p] for p in home_anchors(len(keys))]
             + ([placement.session] if placement.session is not None else []),
             self.settings.home_ttl_s,
+            first=placed,
         )
         self.shared.record(namespace, route)
         state = placement.state(replica)

@@ -196,3 +196,9 @@ async def test_a_session_home_follows_the_last_route_of_the_session(index: Block
     await asyncio.sleep(0.7)
     survey = await index.survey(LLAMA, keys, session=session_key(LLAMA, "agent-7"))
     assert set(survey.session) == {"b"} and survey.homes == {}
+    # a chain long enough for segments (read after the session in the same call)
+    long = list(range(9000, 9000 + LLAMA.block_size * 70))
+    await put(index, "a", store(long))
+    survey = await index.survey(LLAMA, block_keys(long, LLAMA), session=session)
+    assert survey.matches["a"].blocks == 70
+    assert set(survey.session) == {"b"} and survey.session["b"].blocks == 70

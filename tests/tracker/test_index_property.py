@@ -9,6 +9,7 @@ blocks from the start of the chain.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +43,19 @@ def flat(prefix: Prefix) -> list[int]:
 # the same blocks meet often, and chains share and diverge.
 _A, _B = (0, 0), (1, 1)
 POOL: tuple[Prefix, ...] = ((_A, _B, _A), (_A, _A, _B), (_B, _B, _A))
-_sequence = st.sampled_from(POOL)
-_prefix = st.tuples(_sequence, st.integers(1, 3)).map(lambda t: t[0][: t[1]])
+# Longer chains for short segments (of 2 and 3 blocks): several segments per chain, chains
+# that part inside a segment, removals from the middle of a segment held whole.
+LONG_POOL: tuple[Prefix, ...] = (
+    (_A, _B, _A, _A, _B, _A, _B),
+    (_A, _B, _A, _B, _B, _A, _A),
+    (_B, _A, _A, _B, _A, _B, _B),
+)
+
+
+def _prefixes(pool: tuple[Prefix, ...]) -> st.SearchStrategy[Prefix]:
+    return st.tuples(st.sampled_from(pool), st.integers(1, len(pool[0]))).map(
+        lambda t: t[0][: t[1]]
+    )
 
 
 @dataclass(frozen=True)
@@ -90,9 +102,12 @@ class Step:
 
 
 @st.composite
-def _store(draw: st.DrawFn) -> Store:
-    sequence = draw(_sequence)
-    start = draw(st.integers(0, len(sequence) - 1))
+def _store(draw: st.DrawFn, pool: tuple[Prefix, ...]) -> Store:
+    sequence = draw(st.sampled_from(pool))
+    starts = st.integers(0, len(sequence) - 1)
+    if pool is LONG_POOL:  # mostly whole chains: segments held whole, then holes in them
+        starts = st.just(0) | starts
+    start = draw(starts)
     return Store(sequence, start, draw(st.integers(1, len(sequence) - start)))
 
 
@@ -100,7 +115,7 @@ _KINDS = ["store"] * 3 + ["offload"] * 2 + ["remove"] * 3 + ["cleared"]
 
 
 @st.composite
-def _scenarios(draw: st.DrawFn) -> list[Step]:
+def _scenarios(draw: st.DrawFn, pool: tuple[Prefix, ...] = POOL) -> list[Step]:
     """Batches over a few replicas; offloads and removals mostly hit blocks stored before."""
     touched: dict[str, list[Prefix]] = {r: [] for r in REPLICAS}
     steps = []
@@ -110,7 +125,7 @@ def _scenarios(draw: st.DrawFn) -> list[Step]:
         for _ in range(draw(st.integers(1, 3))):
             kind = draw(st.sampled_from(_KINDS))
             if kind == "store":
-                store = draw(_store())
+                store = draw(_store(pool))
                 ops.append(store)
                 touched[replica] += [
                     store.sequence[: b + 1] for b in range(store.start + store.count)
@@ -119,7 +134,8 @@ def _scenarios(draw: st.DrawFn) -> list[Step]:
                 ops.append(Cleared())
             else:
                 known = touched[replica]
-                prefix = draw(st.sampled_from(known) if known and draw(st.booleans()) else _prefix)
+                from_known = bool(known) and draw(st.booleans())
+                prefix = draw(st.sampled_from(known) if from_known else _prefixes(pool))
                 if kind == "offload":
                     ops.append(Offload(prefix, draw(st.sampled_from(SLOTS[1:]))))
                 else:
@@ -195,10 +211,18 @@ class Model:
 # ------------------------------------------------------------------ the property
 
 
-async def check(index: BlockIndex, steps: list[Step]) -> None:
+async def check(
+    index: BlockIndex,
+    steps: list[Step],
+    restart: Callable[[BlockIndex], Awaitable[BlockIndex]] | None = None,
+) -> None:
+    """Apply ``steps``, then compare every lookup with the model's; ``restart`` replaces the
+    index half-way (a tracker restarting over the same Redis: ledgers read back)."""
     model = Model()
-    queries: set[Prefix] = {((0, 0), (0, 0), (0, 0), (0, 0)), ((1, 1), (2, 2))}
+    queries: set[Prefix] = {((0, 0), (0, 0), (0, 0), (0, 0)), ((1, 1), (2, 2)), *LONG_POOL}
     for seq, step in enumerate(steps):
+        if restart is not None and seq == len(steps) // 2:
+            index = await restart(index)
         if step.clear_first:
             model.apply(step.replica, Cleared())
             await index.clear(step.replica, TINY)
@@ -217,6 +241,38 @@ async def check(index: BlockIndex, steps: list[Step]) -> None:
         assert got == model.lookup(sequence), sequence
     for replica in REPLICAS:
         assert await index.block_count(replica, TINY) == len(model.held[replica])
+    if restart is not None:
+        await index.close()
+
+
+# Segments of a few blocks put boundaries inside the long pool's chains, so lookups skip
+# segments held whole and walk the others (tracker.core.keys.SEGMENT_BLOCKS).
+@settings(max_examples=300, deadline=None)
+@given(_scenarios(LONG_POOL), st.sampled_from([1, 2, 3]))
+def test_memory_index_with_short_segments_matches_model(steps: list[Step], span: int) -> None:
+    asyncio.run(check(MemoryIndex(segment_blocks=span), steps))
+
+
+async def _check_redis_restarting(url: str, steps: list[Step], span: int) -> None:
+    async def restart(index: BlockIndex) -> BlockIndex:
+        await index.close()
+        return RedisIndex.from_url(url, segment_blocks=span)
+
+    await check(RedisIndex.from_url(url, segment_blocks=span), steps, restart)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(steps=_scenarios(LONG_POOL), span=st.sampled_from([2, 3]))
+def test_redis_index_with_short_segments_and_a_restart_matches_model(
+    redis_url: str, steps: list[Step], span: int
+) -> None:
+    with redis.Redis.from_url(redis_url) as client:
+        client.flushall()
+    asyncio.run(_check_redis_restarting(redis_url, steps, span))
 
 
 @settings(max_examples=300, deadline=None)

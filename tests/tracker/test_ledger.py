@@ -11,6 +11,7 @@ from tests import factories
 from tests.factories import TINY, removed
 from tracker.core.blocks import Namespace, block_keys, own_extra_keys
 from tracker.core.events import AllBlocksCleared, Event, UnknownEvent
+from tracker.core.keys import ENGINE_VALUE_BYTES
 from tracker.core.ledger import EngineBlock, ReplicaLedger, Tier, tier_of
 
 TOKENS = [10, 11, 20, 21, 30, 31, 40, 41]
@@ -334,7 +335,7 @@ def test_load_replaces_previous_state() -> None:
 )
 def test_engine_block_pack_round_trip(block: EngineBlock) -> None:
     packed = block.pack()
-    assert len(packed) == 16
+    assert len(packed) == ENGINE_VALUE_BYTES
     assert EngineBlock.unpack(packed) == block
 
 
@@ -343,7 +344,7 @@ def test_engine_block_pack_clamps_huge_ref_counts() -> None:
 
 
 def test_engine_block_of_another_layout_is_refused() -> None:
-    with pytest.raises(ValueError, match="16 bytes, not 12"):
+    with pytest.raises(ValueError, match=f"{ENGINE_VALUE_BYTES} bytes, not 12"):
         EngineBlock.unpack(bytes(12))
 
 

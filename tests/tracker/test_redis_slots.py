@@ -34,7 +34,7 @@ def hash_tag(key: str) -> str:
 _ARG = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _KEYED = {"HGET", "HSET", "HDEL", "HMGET", "HGETALL", "GET", "SET", "INCR", "DECR"}
 _KEYED |= {"SPOP", "SADD", "SREM", "SISMEMBER", "HEXISTS", "EXISTS", "DEL", "HINCRBY"}
-_KEYED |= {"PTTL", "PEXPIRE"}
+_KEYED |= {"PTTL", "PEXPIRE", "PEXPIREAT", "HSETNX"}
 _KEYLESS = {"TIME"}
 
 

@@ -120,6 +120,8 @@ class Route:
         :func:`~tracker.core.blocks.session_key` if it names a session.
     :param age_s: the route was made this long ago (another router's, read later): its
         lifetimes count from then.
+    :param first: the position of ``keys[0]`` in the prompt's chain: where the segments a
+        shared index predicts whole begin (a wrong one only costs those predictions).
     """
 
     replica: str
@@ -128,6 +130,7 @@ class Route:
     anchors: Sequence[int] = ()
     home_ttl_s: float = 0.0
     age_s: float = 0.0
+    first: int = 0
 
 
 class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,7 +1,7 @@
 """The whole Redis key schema, prefixed and versioned; nothing else builds Redis keys.
 
 Every key of one index partition (model + block size) carries the same hash tag
-``{<nsid>}``, so multi-key scripts stay in one Redis Cluster slot. Partition keys (``kvr:v2``)
+``{<nsid>}``, so multi-key scripts stay in one Redis Cluster slot. Partition keys (``kvr:v3``)
 and global keys (``kvr:v1``) carry their own layout version. Each key's type and content, and
 why blocks and engine maps are spread over buckets: docs/architecture.md, "Redis key schema".
 """
@@ -16,7 +16,7 @@ import xxhash
 from tracker.core.blocks import Namespace
 
 PREFIX: Final = "kvr:v1"
-PARTITION_PREFIX: Final = "kvr:v2"
+PARTITION_PREFIX: Final = "kvr:v3"
 BLOCK_BUCKET_BITS: Final = 14
 ENGINE_BUCKETS: Final = 1024
 TIER_BITS: Final = 4
@@ -24,7 +24,19 @@ TIER_BITS: Final = 4
 MAX_ROUTES: Final = 4096
 """Entries a partition's route stream keeps (approximately: ``XADD MAXLEN ~``)."""
 MAX_RID: Final = (1 << (16 - TIER_BITS)) - 1
-ENGINE_VALUE_BYTES: Final = 8 + 2 * TIER_BITS
+SEGMENT_BLOCKS: Final = 32
+"""Blocks of a segment: the aligned runs ``[k·N, (k+1)·N)`` of a chain whose holders a lookup
+reads at once (:attr:`NamespaceKeys.segments`): a replica holding every block of one skips
+them."""
+PREDICTION_SLOT_MS: Final = 2000
+"""Width of a slot of segment predictions (``ps:<slot>``, by expiry): each slot's hash
+expires with its last possible entry, so no expired segment prediction outlives it long."""
+ENGINE_VALUE_BYTES: Final = 8 + 2 * TIER_BITS + 8 + 4
+"""An engine-map value: block key, references per tier, the block's parent key and depth."""
+SEGMENT_ENTRY_BYTES: Final = 2 + TIER_BITS
+"""A segment-bucket entry: rid (2 bytes), then how many of the segment's blocks load from
+each tier (one byte each)."""
+assert SEGMENT_BLOCKS <= 0xFF, "a segment's counts per tier are one byte"
 
 # the registry's two hashes share a hash tag: its scripts and the deregistration touch both
 REPLICAS: Final = f"{PREFIX}:{{replicas}}"
@@ -61,6 +73,7 @@ class NamespaceKeys:
         "ridseq",
         "rname",
         "routes",
+        "segments",
         "seq",
         "stats",
         "tag",
@@ -72,6 +85,7 @@ class NamespaceKeys:
         self.block_prefix = f"{self.tag}:b:"
         self.prediction_prefix = f"{self.tag}:p:"
         self.home_prefix = f"{self.tag}:h:"
+        self.segments = f"{self.tag}:s"
         self.engine_prefix = f"{self.tag}:e:"
         self.rid = f"{self.tag}:rid"
         self.rname = f"{self.tag}:rname"
@@ -102,6 +116,11 @@ class NamespaceKeys:
 
     def home_bucket(self, key: int) -> str:
         return f"{self.home_prefix}{key >> (64 - BLOCK_BUCKET_BITS):04x}"
+
+    def prediction_segments(self, slot: int) -> str:
+        """The segments predicted whole whose predictions expire in slot ``slot``
+        (:data:`PREDICTION_SLOT_MS` wide, Redis time)."""
+        return f"{self.tag}:ps:{slot}"
 
     def engine_bucket(self, rid: int, engine_hash: int) -> str:
         bucket = engine_hash % ENGINE_BUCKETS
@@ -136,6 +155,12 @@ def bucket_entries(value: bytes) -> Iterator[tuple[int, int]]:
     for i in range(0, len(value) - 1, 2):
         word = value[i] << 8 | value[i + 1]
         yield word >> TIER_BITS, word & mask
+
+
+def segment_entries(value: bytes) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """The ``(rid, blocks per tier)`` entries of a segment-bucket value (operators, tests)."""
+    for i in range(0, len(value) - SEGMENT_ENTRY_BYTES + 1, SEGMENT_ENTRY_BYTES):
+        yield value[i] << 8 | value[i + 1], tuple(value[i + 2 : i + SEGMENT_ENTRY_BYTES])
 
 
 def field(key: int) -> bytes:

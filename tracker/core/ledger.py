@@ -1,9 +1,11 @@
 """Per-replica interpretation of KV events: engine hash -> block key mapping and ref counts.
 
 A :class:`ReplicaLedger` turns one replica's event stream into idempotent placements
-``(block key, tiers)`` (``tiers == 0`` means the replica no longer holds the block) plus
-changes to its engine map. Both index backends share it, so they agree by construction;
-they differ only in where placements are stored.
+``(block key, tiers)`` (``tiers == 0`` means the replica no longer holds the block), changes
+to its engine map, and its *segments*: for each aligned run of ``SEGMENT_BLOCKS`` blocks of a
+chain that the replica holds whole, how many of them load from each tier, keyed by the run's
+last block (lookups skip such a run in one read). Both index backends share it, so they
+agree by construction; they differ only in where placements are stored.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeAlias
 
 from tracker.core.blocks import Namespace, block_keys, own_extra_keys
 from tracker.core.events import (
@@ -28,7 +30,7 @@ from tracker.core.events import (
     Event,
     external_hash_u64,
 )
-from tracker.core.keys import ENGINE_VALUE_BYTES, TIER_BITS
+from tracker.core.keys import ENGINE_VALUE_BYTES, SEGMENT_BLOCKS, TIER_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,11 @@ TIERS: Final = (Tier.GPU, Tier.CPU, Tier.STORAGE, Tier.REMOTE)
 assert len(TIERS) == TIER_BITS, "the Redis layout has a bit per tier"
 _TIER_SLOT: Final = {tier: i for i, tier in enumerate(TIERS)}
 KNOWN_MEDIUMS: Final = frozenset({MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE})
+_BEST: Final = tuple(-1 if not t else (t & -t).bit_length() - 1 for t in range(1 << TIER_BITS))
+"""Per tier mask: the slot of its cheapest tier (where a lookup counts the block), -1: none."""
+
+Segment: TypeAlias = tuple[int, int, int, int]
+"""A segment held whole: how many of its blocks load from each tier, in :data:`TIERS` order."""
 
 
 def tier_of(medium: str | None, locality: str | None = None) -> Tier:
@@ -89,6 +96,10 @@ class EngineBlock:
     cpu: int = 0
     storage: int = 0
     remote: int = 0
+    parent: int = field(default=0, compare=False)
+    """The key of the block before this one in its chain (0 at depth 0)."""
+    depth: int = field(default=0, compare=False)
+    """The block's position in its chain (0: the first block)."""
 
     def counts(self) -> tuple[int, int, int, int]:
         """References per tier, in :data:`TIERS` order."""
@@ -115,18 +126,23 @@ class EngineBlock:
         return self.gpu > 0 or self.cpu > 0 or self.storage > 0 or self.remote > 0
 
     def pack(self) -> bytes:
-        """Block key (8 bytes) and references per tier (2 bytes each, saturating)."""
+        """Block key (8 bytes), references per tier (2 bytes each, saturating), the parent's
+        key (8 bytes) and the depth (4 bytes): what a restarted tracker rebuilds from."""
         out = self.key.to_bytes(8, "big")
         for count in self.counts():
             out += min(count, 0xFFFF).to_bytes(2, "big")
-        return out
+        return out + self.parent.to_bytes(8, "big") + self.depth.to_bytes(4, "big")
 
     @classmethod
     def unpack(cls, value: bytes) -> EngineBlock:
         if len(value) != ENGINE_VALUE_BYTES:
             raise ValueError(f"an engine map value is {ENGINE_VALUE_BYTES} bytes, not {len(value)}")
-        counts = (int.from_bytes(value[i : i + 2], "big") for i in range(8, len(value), 2))
-        return cls(int.from_bytes(value[:8], "big"), *counts)
+        end = 8 + 2 * TIER_BITS
+        counts = (int.from_bytes(value[i : i + 2], "big") for i in range(8, end, 2))
+        block = cls(int.from_bytes(value[:8], "big"), *counts)
+        block.parent = int.from_bytes(value[end : end + 8], "big")
+        block.depth = int.from_bytes(value[end + 8 :], "big")
+        return block
 
 
 def tiers_of(refs: list[int]) -> int:
@@ -140,6 +156,11 @@ class LedgerChanges:
 
     placements: dict[int, int] = field(default_factory=dict)
     engine: dict[int, EngineBlock | None] = field(default_factory=dict)
+    segments: dict[int, Segment | None] = field(default_factory=dict)
+    """Per segment (its last block's key): its counts per tier held whole now, None: not."""
+    ends: set[int] = field(default_factory=set)
+    """Segments' last blocks the batch stored or removed (or moved to another tier): the
+    engine's word on them ends the routers' predictions of their segments on this replica."""
     stats: Counter[str] = field(default_factory=Counter)
     cleared: bool = False
 
@@ -172,14 +193,27 @@ class ReplicaLedger:
     Args:
         replica_id: the replica's stable id.
         namespace: the index partition (model and block size) the replica serves.
+        segment_blocks: blocks per segment (the index's layout; tests use short ones).
     """
 
-    def __init__(self, replica_id: str, namespace: Namespace) -> None:
+    def __init__(
+        self, replica_id: str, namespace: Namespace, *, segment_blocks: int = SEGMENT_BLOCKS
+    ) -> None:
         self.replica_id = replica_id
         self.namespace = namespace.base()
+        self.segment_blocks = segment_blocks
         self.engine: dict[int, EngineBlock] = {}
         self.refs: dict[int, list[int]] = {}
         self.orphans: Counter[int] = Counter()
+        # refs[key] is [GPU, CPU, storage, remote references, parent key, depth]; per key, its
+        # held children (a segment's blocks and the segment ends a change of one of them
+        # touches are found through these)
+        self.child: dict[int, int] = {}  # a key's first held child (plain ints: no GC load)
+        self.children: dict[int, set[int]] = {}  # ... and its others, when it has several
+        self.segments: dict[int, Segment] = {}
+        """Every segment the replica holds whole now, by its last block's key."""
+        self._dirty: set[int] = set()
+        self._ends: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -195,15 +229,23 @@ class ReplicaLedger:
             yield key, self.tiers(key)
 
     def load(self, entries: Iterable[tuple[int, EngineBlock]]) -> None:
-        """Rebuild from a persisted engine map (tracker restart)."""
-        self.engine.clear()
-        self.refs.clear()
-        self.orphans.clear()
+        """Rebuild from a persisted engine map (tracker restart), segments included (the
+        index holds them as the engine map says: both are written by the same call)."""
+        self._forget()
         for engine_hash, block in entries:
             self.engine[engine_hash] = block
-            refs = self.refs.setdefault(block.key, [0, 0, 0, 0])
+            refs = self.refs.get(block.key)
+            if refs is None:
+                refs = self.refs[block.key] = [0, 0, 0, 0, block.parent, block.depth]
+                self._link(block.key, block.parent, block.depth)
             for slot, count in enumerate(block.counts()):
                 refs[slot] += count
+        span = self.segment_blocks
+        for key, refs in self.refs.items():
+            if refs[5] % span == span - 1:
+                segment = self._segment(key)
+                if segment is not None:
+                    self.segments[key] = segment
 
     def apply(self, events: Iterable[Event]) -> LedgerChanges:
         """Apply one batch's events in order and return what changed."""
@@ -218,6 +260,7 @@ class ReplicaLedger:
                 changes.stats["cleared"] += 1
             else:
                 changes.stats["unknown_event"] += 1
+        self._settle(changes)
         return changes
 
     def clear(self, changes: LedgerChanges | None = None) -> LedgerChanges:
@@ -227,11 +270,104 @@ class ReplicaLedger:
             changes.placements[key] = 0
         for engine_hash in self.engine:
             changes.engine[engine_hash] = None
+        for key in self.segments:
+            changes.segments[key] = None
         changes.cleared = True
+        self._forget()
+        return changes
+
+    def _forget(self) -> None:
         self.engine.clear()
         self.refs.clear()
         self.orphans.clear()
-        return changes
+        self.child.clear()
+        self.children.clear()
+        self.segments.clear()
+        self._dirty.clear()
+        self._ends.clear()
+
+    def segment_changes(self) -> dict[int, Segment | None]:
+        """Every segment held whole, as changes (a replica's state written again whole)."""
+        return {key: segment for key, segment in self.segments.items()}
+
+    # ------------------------------------------------------------------ segments
+
+    def _link(self, key: int, parent: int, depth: int) -> None:
+        """``key`` (at ``depth``) is held: a child of ``parent``."""
+        if depth:
+            first = self.child.get(parent)
+            if first is None:
+                self.child[parent] = key
+            elif first != key:
+                self.children.setdefault(parent, set()).add(key)
+
+    def _unlink(self, key: int, parent: int, depth: int) -> None:
+        """``key`` is no longer held."""
+        if not depth:
+            return
+        more = self.children.get(parent)
+        if self.child.get(parent) == key:
+            if more:
+                self.child[parent] = more.pop()
+            else:
+                del self.child[parent]
+        elif more:
+            more.discard(key)
+        if more is not None and not more:
+            del self.children[parent]
+
+    def _children_of(self, key: int) -> tuple[int, ...]:
+        first = self.child.get(key)
+        if first is None:
+            return ()
+        more = self.children.get(key)
+        return (first, *more) if more else (first,)
+
+    def _touched(self, key: int) -> None:
+        """``key`` (held, linked) changed where a lookup counts it: the segment ends it is in
+        are due for :meth:`_settle` (the held ones: a segment not held whole has no entry)."""
+        span = self.segment_blocks
+        below = span - 1 - self.refs[key][5] % span  # levels down to its segment's end
+        if not below:
+            self._dirty.add(key)
+            self._ends.add(key)
+            return
+        level: Iterable[int] = self._children_of(key)
+        if not level:  # the usual: a chain stored in order, its blocks' children later
+            return
+        for _ in range(below - 1):
+            level = [child for k in level for child in self._children_of(k)]
+            if not level:
+                return
+        self._dirty.update(level)
+
+    def _segment(self, last: int) -> Segment | None:
+        """The counts per tier of the segment ending with ``last``, if held whole."""
+        counts = [0, 0, 0, 0]
+        key, span = last, self.segment_blocks
+        for _ in range(span):
+            refs = self.refs.get(key)
+            if refs is None:
+                return None
+            counts[_BEST[tiers_of(refs)]] += 1
+            key, depth = refs[4], refs[5]
+            if depth % span == 0:
+                break
+        return counts[0], counts[1], counts[2], counts[3]
+
+    def _settle(self, changes: LedgerChanges) -> None:
+        """Write the segments whose blocks changed into ``changes``."""
+        for last in self._dirty:
+            segment = self._segment(last)
+            if segment != self.segments.get(last):
+                if segment is None:
+                    del self.segments[last]
+                else:
+                    self.segments[last] = segment
+                changes.segments[last] = segment
+        self._dirty.clear()
+        changes.ends |= self._ends
+        self._ends.clear()
 
     def _indexed_group(self, group_idx: int | None, kind: str | None) -> bool:
         # Hybrid models announce every block once per KV-cache group with the same hash; only
@@ -240,16 +376,38 @@ class ReplicaLedger:
             return kind in _FULL_ATTENTION_KINDS
         return group_idx in (None, 0)
 
-    def _touch(self, key: int, slot: int, delta: int, changes: LedgerChanges) -> None:
-        """``delta`` references to ``key`` in the tier of index ``slot`` (:data:`TIERS`)."""
+    def _touch(
+        self,
+        key: int,
+        slot: int,
+        delta: int,
+        changes: LedgerChanges,
+        *,
+        parent: int = 0,
+        depth: int = -1,
+    ) -> None:
+        """``delta`` references to ``key`` in the tier of index ``slot`` (:data:`TIERS`);
+        ``parent`` and ``depth`` place a key the replica did not hold yet."""
         refs = self.refs.get(key)
-        if refs is None:
-            refs = self.refs[key] = [0, 0, 0, 0]
+        if refs is None:  # a new key (this runs once per block event: the usual case inline)
+            assert depth >= 0, "only a stored block brings a key the ledger lacks"
+            refs = self.refs[key] = [0, 0, 0, 0, parent, depth]
+            refs[slot] = delta
+            self._link(key, parent, depth)
+            span = self.segment_blocks
+            if depth % span == span - 1 or key in self.child:
+                self._touched(key)
+            changes.placements[key] = 1 << slot
+            return
+        before = (refs[0] > 0) | (refs[1] > 0) << 1 | (refs[2] > 0) << 2 | (refs[3] > 0) << 3
         refs[slot] += delta
-        # tiers_of(refs), inline: this runs once per block event
+        # tiers_of(refs), inline
         mask = (refs[0] > 0) | (refs[1] > 0) << 1 | (refs[2] > 0) << 2 | (refs[3] > 0) << 3
+        if _BEST[mask] != _BEST[before]:
+            self._touched(key)
         if not mask:
             del self.refs[key]
+            self._unlink(key, refs[4], refs[5])
         changes.placements[key] = mask
 
     def _stored(self, event: BlockStored, changes: LedgerChanges) -> None:
@@ -271,6 +429,7 @@ class ReplicaLedger:
             changes.stats["token_count_mismatch"] += len(hashes)
             return
         parent_key: int | None = None
+        depth = 0
         if event.parent_block_hash is not None:
             parent = self.engine.get(external_hash_u64(event.parent_block_hash))
             if parent is None:
@@ -281,7 +440,7 @@ class ReplicaLedger:
                     self.orphans[h] += 1
                 changes.stats["orphan"] += len(hashes)
                 return
-            parent_key = parent.key
+            parent_key, depth = parent.key, parent.depth + 1
         namespace = Namespace(self.namespace.model, self.namespace.block_size, event.lora_name)
         extra = own_extra_keys(event.lora_name, event.extra_keys)
         tokens, lookahead = _with_lookahead(event, len(hashes))
@@ -291,18 +450,19 @@ class ReplicaLedger:
         keys = block_keys(
             tokens, namespace, parent=parent_key, extra_keys=extra, lookahead=lookahead
         )
+        previous = parent_key or 0
         for engine_hash, key in zip(hashes, keys, strict=True):
             block = self.engine.get(engine_hash)
-            if block is None:
-                block = self.engine[engine_hash] = EngineBlock(key)
-            elif block.key != key:
-                changes.stats["hash_conflict"] += 1
-                self._drop(engine_hash, block, changes)
-                block = self.engine[engine_hash] = EngineBlock(key)
+            if block is None or block.key != key:
+                if block is not None:
+                    changes.stats["hash_conflict"] += 1
+                    self._drop(engine_hash, block, changes)
+                block = self.engine[engine_hash] = EngineBlock(key, 0, 0, 0, 0, previous, depth)
             block.add(tier, 1)
             self.orphans.pop(engine_hash, None)
-            self._touch(key, slot, 1, changes)
+            self._touch(key, slot, 1, changes, parent=previous, depth=depth)
             changes.engine[engine_hash] = block
+            previous, depth = key, depth + 1
         changes.stats["stored"] += len(hashes)
 
     def _stored_tokenless(

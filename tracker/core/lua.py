@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Final
 
-from tracker.core.keys import BLOCK_BUCKET_BITS, ENGINE_BUCKETS, ENGINE_VALUE_BYTES, TIER_BITS
+from tracker.core.keys import (
+    BLOCK_BUCKET_BITS,
+    ENGINE_BUCKETS,
+    ENGINE_VALUE_BYTES,
+    PREDICTION_SLOT_MS,
+    TIER_BITS,
+)
 
 # ----------------------------------------------------------- shared snippets
 
@@ -44,11 +50,19 @@ def _slot(tiers: int) -> int:
     return 2 + (tiers & -tiers).bit_length() - 1
 
 
+# Segment entries and segment predictions are read hundreds of fields per HMGET: a hash in
+# Redis' compact listpack encoding is scanned once per field asked, so each such hash holds a
+# field "" with a value longer than any listpack keeps (hash-max-listpack-value, 64 by
+# default), which makes Redis keep it as a hashtable from its first write.
+_HASHTABLE: Final = "local HASHTABLE = string.rep('-', 1024)\n"
+
 # The entry layout of block buckets: rid in the high bits (R rids per high byte), tiers in the
-# low TIER_BITS (M values); engine-map values are E bytes; SLOT[tiers] is where a lookup run
-# counts a block (2 GPU, 3 CPU, 4 storage, 5 remote: the cheapest tier it is in).
+# low TIER_BITS (M values); engine-map values are E bytes; segment-bucket entries are rid
+# (2 bytes) + blocks per tier (TB bytes); SLOT[tiers] is where a lookup run counts a block
+# (2 GPU, 3 CPU, 4 storage, 5 remote: the cheapest tier it is in).
 LAYOUT: Final = (
-    f"local R, M, E = {1 << (8 - TIER_BITS)}, {1 << TIER_BITS}, {ENGINE_VALUE_BYTES}\n"
+    f"local R, M, E, TB = {1 << (8 - TIER_BITS)}, {1 << TIER_BITS}, {ENGINE_VALUE_BYTES}, "
+    f"{TIER_BITS}\n"
     + "local SLOT = {"
     + ", ".join(f"[{t}] = {_slot(t)}" for t in range(1, 1 << TIER_BITS))
     + "}\n"
@@ -56,7 +70,11 @@ LAYOUT: Final = (
 
 # Prediction buckets (``p:``) hold, per block key, 8-byte entries: rid (2 bytes) + expiry in
 # Redis server time (6 bytes, ms). The router writes them after routing (predict-on-route).
-PREDICTIONS: Final = """
+# A segment predicted whole is one such entry in the hash ``ps:<slot>`` of its expiry's slot
+# (W ms wide; the hash expires with its slot), keyed by the segment's last block.
+PREDICTIONS: Final = (
+    f"local W = {PREDICTION_SLOT_MS}\n"
+    + """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -74,6 +92,7 @@ local function pack_expiry(ms)
   return table.concat(out)
 end
 """
+)
 
 
 # load_snapshot(load hash, router id whose entries to skip, ttl ms): [replica, inflight,
@@ -136,8 +155,12 @@ end
 #        writer's election]
 # ARGV: [replica, seq ("" keep, "-" delete, else set), rid, key prefix with hash tag,
 #        placements: n x (8-byte block key .. 1-byte tiers),
-#        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. 16-byte value),
-#        the writing tracker's fencing number (0: not elected, not fenced)]
+#        engine ops: n x (8-byte engine hash .. 1-byte flag (1 set, 0 delete) .. E-byte value),
+#        the writing tracker's fencing number (0: not elected, not fenced),
+#        segments: n x (8-byte key of a segment's last block .. its blocks per tier, one byte
+#        each; all zero: the replica no longer holds it whole),
+#        segment ends the batch stored or removed: n x 8-byte block key (their segments'
+#        predictions of this replica end)]
 # Returns APPLY_OK; APPLY_RID_RESTORED when the rid mapping was missing and has been put back
 # (Redis lost its data: the caller must write the replica's whole state again); or
 # APPLY_RID_TAKEN, having written nothing, when another replica owns the rid now (the caller
@@ -150,6 +173,8 @@ APPLY_FENCED: Final = -2
 APPLY: Final = (
     BUCKETS
     + LAYOUT
+    + _HASHTABLE
+    + f"local W = {PREDICTION_SLOT_MS}\n"
     + """
 local replica, seq, rid, tag = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local places, engine = ARGV[5], ARGV[6]
@@ -233,6 +258,52 @@ for i = 1, #engine - E - 8, E + 9 do
     redis.call('HDEL', key, f)
   end
 end
+local segments, key = ARGV[8] or '', tag .. ':s'
+local mine, none = string.char(math.floor(rid / 256), rid % 256), string.rep('\0', TB)
+if #segments > 0 then redis.call('HSETNX', key, '', HASHTABLE) end
+for i = 1, #segments - 7 - TB, 8 + TB do
+  local f = string.sub(segments, i, i + 7)
+  local counts = string.sub(segments, i + 8, i + 7 + TB)
+  local v = redis.call('HGET', key, f)
+  local out = {}
+  if v then
+    for j = 1, #v - 1 - TB, 2 + TB do
+      if string.sub(v, j, j + 1) ~= mine then out[#out + 1] = string.sub(v, j, j + 1 + TB) end
+    end
+  end
+  if counts ~= none then out[#out + 1] = mine .. counts end
+  if #out == 0 then
+    if v then redis.call('HDEL', key, f) end
+  else
+    redis.call('HSET', key, f, table.concat(out))
+  end
+end
+-- the engine's word on a segment's last block ends this replica's prediction of the segment
+local touched = ARGV[9] or ''
+if live and #touched > 0 then
+  local t = redis.call('TIME')
+  local clock = t[1] * 1000 + math.floor(t[2] / 1000)
+  local left = redis.call('PTTL', tag .. ':plive')
+  for slot = math.floor(clock / W), math.floor((clock + math.max(left, 0)) / W) do
+    local pkey = tag .. ':ps:' .. slot
+    for i = 1, #touched - 7, 8 do
+      local f = string.sub(touched, i, i + 7)
+      local p = redis.call('HGET', pkey, f)
+      if p then
+        local keep = {}
+        for j = 1, #p - 7, 8 do
+          local b1, b2 = string.byte(p, j, j + 1)
+          if b1 * 256 + b2 ~= rid then keep[#keep + 1] = string.sub(p, j, j + 7) end
+        end
+        if #keep == 0 then
+          redis.call('HDEL', pkey, f)
+        elseif #keep * 8 < #p then
+          redis.call('HSET', pkey, f, table.concat(keep))
+        end
+      end
+    end
+  end
+end
 if seq == '-' then
   redis.call('HDEL', KEYS[1], replica)
 elseif seq ~= '' then
@@ -244,24 +315,28 @@ return status
 
 
 # KEYS: [rname hash, optionally the load hash]; ARGV: [key prefix with hash tag, n x 8-byte
-# block key, the router id whose entries in the load hash to skip and its presence's ttl ms
-# (read only with the load hash), a session key (8 bytes, or empty)]
+# block key, blocks per segment, with the load hash: the router id whose entries to skip
+# (else ''), its presence's ttl ms (else 0), a session key (8 bytes, or ''), then the keys of
+# the chain's segment ends (its blocks S-1, 2S-1, ...), one argument each]
 # Returns {matches, stats, homes, load, lookahead, session}: session [replica, age ms] of the
 # session key's live home record, or empty; lookahead the partition's lookahead hash
 # (replica -> tokens after each block its engine hashes, tracker.core.keys); load_snapshot of the
-# load hash when given (one round
-# trip for a router's whole view), else empty; matches a flat array [replica, matched blocks,
-# matched GPU blocks, predicted blocks, ...]; stats the partition's whole stats hash
-# (HGETALL), for every replica; homes [replica, depth in blocks, age ms, ...]: the home
-# records of the chain's anchors (tracker.core.keys.home_anchors), walked from the first while each
-# has one, every replica with the deepest anchor that names it.
-# Phase 1 walks real placements. Consecutive blocks held by the same replicas carry identical
-# values (Lua strings are interned, so comparing them is O(1)); such runs are counted without
-# re-parsing entries. Phase 2 starts where no replica still matching holds the next block and
+# load hash when given (one round trip for a router's whole view), else empty; matches a flat
+# array [replica, matched blocks, GPU, CPU, storage, remote, predicted blocks, ...]; stats the
+# partition's whole stats hash (HGETALL), for every replica; homes [replica, depth in blocks,
+# age ms, ...]: the home records of the chain's anchors (tracker.core.keys.home_anchors), walked
+# from the first while each has one, every replica with the deepest anchor that names it.
+# Phase 1 walks real placements. It reads every segment's entry first (``s``, keyed by the
+# segment's last block: the chain up to it is the prompt's), in one HMGET; at each segment
+# boundary, when every replica still matching holds the segment whole, they all skip it with
+# the counts per tier the tracker keeps, so a cached prefix costs a field of one HMGET per
+# segment, not a read per block. Elsewhere it
+# walks blocks: consecutive blocks held by the same replicas carry identical values (Lua
+# strings are interned, so comparing them is O(1)); such runs are counted without re-parsing
+# entries. Phase 2 starts where no replica still matching holds the next block and
 # extends those replicas (any replica, if nothing matched) with unexpired predictions or late
-# real placements, block by block. Phase 1's loop runs once per cached block of every routed
-# prompt (6k times for 100k tokens), so it builds a bucket name from a cached head (one per first
-# key byte) and a one-byte hex tail, and calls local aliases of the library functions.
+# real placements, block by block. Bucket names are built from a cached head (one per first
+# key byte) and a one-byte hex tail, with local aliases of the library functions.
 _HEAD_DIVISOR: Final = 1 << (16 - BLOCK_BUCKET_BITS)  # first key byte -> bucket name's head
 assert 8 <= BLOCK_BUCKET_BITS <= 16, "bucket names split into a head and a one-byte tail"
 LOOKUP: Final = (
@@ -272,6 +347,7 @@ LOOKUP: Final = (
     + f"local D = {_HEAD_DIVISOR}\n"
     + """
 local bprefix, pprefix, chain = ARGV[1] .. ':b:', ARGV[1] .. ':p:', ARGV[2]
+local S = tonumber(ARGV[3])
 local runs, order, advanced = {}, {}, {}
 local depth, prev, pending = 0, nil, 0
 local i = 1
@@ -294,69 +370,218 @@ local function run_of(rid)
 end
 local sub, byte, floor, call = string.sub, string.byte, math.floor, redis.call
 local last, heads = #chain - 7, {}
-while i <= last do
-  local f = sub(chain, i, i + 7)
-  local b1, b2 = byte(f, 1, 2)
-  local head = heads[b1]
-  if not head then
-    head = bprefix .. hex[floor(b1 / D)]
-    heads[b1] = head
+-- every segment's holders at once (ARGV[7..]: the keys of the chain's segment ends)
+local ends, nends = nil, #ARGV - 6
+local function load_ends()  -- once, and only when some replica holds the first block
+  if ends then return end
+  ends = {}
+  for k = 7, #ARGV, 1000 do
+    local got = call('HMGET', ARGV[1] .. ':s', unpack(ARGV, k, math.min(k + 999, #ARGV)))
+    for _, v in ipairs(got) do ends[#ends + 1] = v end
   end
-  local v = call('HGET', head .. hex[(b1 % D) * (256 / D) + floor(b2 / D)], f)
-  if not v then break end
-  if v == prev then
-    pending = pending + 1
-  else
-    settle()
-    local now = {}
-    for j = 1, #v - 1, 2 do
-      local b1, b2 = string.byte(v, j, j + 1)
-      local t = b2 % M
-      local run = run_of(b1 * R + (b2 - t) / M)
-      if run and run[1] == depth then now[#now + 1] = {run, SLOT[t]} end
+end
+if last > 0 and call('HGET', block_bucket(bprefix, sub(chain, 1, 8)), sub(chain, 1, 8)) then
+  load_ends()
+end
+-- a segment every replica still matching holds whole: all of them skip it; the next segment
+-- with the same value (interned: an O(1) comparison) moves the same runs by the same counts
+local skipped_value, moves = nil, {}
+local function move(times)
+  for _, m in ipairs(moves) do
+    local run = m[1]
+    run[1], run[2], run[3] = run[1] + S * times, run[2] + m[2] * times, run[3] + m[3] * times
+    run[4], run[5] = run[4] + m[4] * times, run[5] + m[5] * times
+  end
+  depth = depth + S * times
+end
+local function skip(whole)
+  local at = {}
+  for j = 1, #whole - 1 - TB, 2 + TB do
+    local b1, b2 = byte(whole, j, j + 1)
+    at[b1 * 256 + b2] = j
+  end
+  local now = {}
+  for _, rid in ipairs(order) do
+    local run = runs[rid]
+    if run[1] == depth then
+      local j = at[rid]
+      if not j then return false end
+      local g, c, st, rm = byte(whole, j + 2, j + 5)
+      now[#now + 1] = {run, g, c, st, rm}
     end
-    if #now == 0 then break end
-    advanced, prev, pending = now, v, 1
   end
-  i = i + 8
+  if #now == 0 then return false end
+  skipped_value, moves = whole, now
+  move(1)
+  return true
+end
+while i <= last do
+  local skipped = false
+  local k = (i - 1) / (8 * S) + 1
+  local whole = k == floor(k) and ends and ends[k]
+  if whole and whole == skipped_value then  -- nothing walked since: the same runs go on
+    local times = 1
+    while ends[k + times] == whole do times = times + 1 end
+    move(times)
+    i, skipped = i + 8 * S * times, true
+  elseif whole then
+    settle()
+    if depth == 0 then  -- the candidates: the first block's holders
+      local first = sub(chain, 1, 8)
+      local v = call('HGET', block_bucket(bprefix, first), first) or ''
+      for j = 1, #v - 1, 2 do
+        local r1, r2 = byte(v, j, j + 1)
+        run_of(r1 * R + (r2 - r2 % M) / M)
+      end
+    end
+    skipped = skip(whole)
+    if skipped then
+      i = i + 8 * S
+      advanced, prev = {}, nil
+    end
+  end
+  if not skipped then
+    skipped_value = nil
+    local f = sub(chain, i, i + 7)
+    local b1, b2 = byte(f, 1, 2)
+    local head = heads[b1]
+    if not head then
+      head = bprefix .. hex[floor(b1 / D)]
+      heads[b1] = head
+    end
+    local v = call('HGET', head .. hex[(b1 % D) * (256 / D) + floor(b2 / D)], f)
+    if not v then break end
+    if v == prev then
+      pending = pending + 1
+    else
+      settle()
+      local now = {}
+      for j = 1, #v - 1, 2 do
+        local r1, r2 = byte(v, j, j + 1)
+        local t = r2 % M
+        local run = run_of(r1 * R + (r2 - t) / M)
+        if run and run[1] == depth then now[#now + 1] = {run, SLOT[t]} end
+      end
+      if #now == 0 then break end
+      advanced, prev, pending = now, v, 1
+    end
+    i = i + 8
+  end
 end
 settle()
 local clock = nil
-while i <= #chain - 7 do
-  local f = string.sub(chain, i, i + 7)
-  local moved = false
-  local v = redis.call('HGET', block_bucket(bprefix, f), f)
-  if v then
-    for j = 1, #v - 1, 2 do
-      local b1, b2 = string.byte(v, j, j + 1)
-      local t = b2 % M
-      local run = run_of(b1 * R + (b2 - t) / M)
-      if run and run[1] == depth then
-        run[1] = depth + 1
-        run[SLOT[t]] = run[SLOT[t]] + 1
-        moved = true
-      end
-    end
-  end
-  local p = redis.call('HGET', block_bucket(pprefix, f), f)
-  if p then
-    clock = clock or now_ms()
-    for j = 1, #p - 7, 8 do
-      local b1, b2 = string.byte(p, j, j + 1)
-      if expiry_of(p, j) > clock then
-        local run = run_of(b1 * 256 + b2)
-        if run and run[1] == depth then
-          run[1] = depth + 1
-          run[2] = run[2] + 1
-          run[6] = run[6] + 1
-          moved = true
+-- phase 2's segments predicted whole: per segment of the chain, the rids predicted to hold it
+local predicted, parsed, raw = {}, {}, {}
+local left = i <= last and call('PTTL', ARGV[1] .. ':plive') or -2
+local k0 = floor((i - 1) / (8 * S)) + 1
+if left > 0 and k0 <= nends then
+  clock = now_ms()
+  for slot = floor(clock / W), floor((clock + left) / W) do
+    local key = ARGV[1] .. ':ps:' .. slot
+    for c = k0 + 6, #ARGV, 1000 do  -- ends[k] is ARGV[k + 6]
+      local got = call('HMGET', key, unpack(ARGV, c, math.min(c + 999, #ARGV)))
+      for x = 1, #got do
+        local p = got[x]
+        if p then  -- entries of several slots: one list
+          local k = c - 7 + x
+          raw[k] = (raw[k] or '') .. p
         end
       end
     end
   end
-  if not moved then break end
-  depth = depth + 1
-  i = i + 8
+  for k, p in pairs(raw) do
+    local rids = parsed[p]  -- a route writes the same value into all its segments
+    if not rids then
+      rids = {}
+      for j = 1, #p - 7, 8 do
+        local b1, b2 = byte(p, j, j + 1)
+        if expiry_of(p, j) > clock then rids[b1 * 256 + b2] = true end
+      end
+      parsed[p] = rids
+    end
+    predicted[k] = rids
+  end
+end
+-- a whole segment every run still going holds (its counts per tier) or is predicted to; the
+-- next segment with the same predictions and holders moves the same runs by the same counts
+local last_rids, last_whole, last_moves = nil, nil, nil
+local function skip_predicted(k)
+  load_ends()
+  local rids, held = predicted[k], {}
+  local whole = ends[k] or ''
+  if rids == last_rids and whole == last_whole then
+    for _, m in ipairs(last_moves) do
+      local run = m[1]
+      run[1], run[2], run[3] = run[1] + S, run[2] + m[2], run[3] + m[3]
+      run[4], run[5], run[6] = run[4] + m[4], run[5] + m[5], run[6] + m[6]
+    end
+    depth = depth + S
+    return true
+  end
+  for j = 1, #whole - 1 - TB, 2 + TB do
+    local b1, b2 = byte(whole, j, j + 1)
+    held[b1 * 256 + b2] = j
+  end
+  local now = {}
+  for _, rid in ipairs(order) do
+    local run = runs[rid]
+    if run[1] == depth then
+      local j = held[rid]
+      if j then
+        local g, c, st, rm = byte(whole, j + 2, j + 5)
+        now[#now + 1] = {run, g, c, st, rm, 0}
+      elseif rids and rids[rid] then
+        now[#now + 1] = {run, S, 0, 0, 0, S}
+      else
+        return false
+      end
+    end
+  end
+  if #now == 0 then return false end
+  last_rids, last_whole, last_moves = rids, whole, now
+  return skip_predicted(k)
+end
+while i <= last do
+  local k = (i - 1) / (8 * S) + 1
+  if depth > 0 and k == floor(k) and predicted[k] and skip_predicted(k) then
+    i = i + 8 * S
+  else
+    last_rids = nil  -- the runs going on may change
+    local f = sub(chain, i, i + 7)
+    local moved = false
+    local v = call('HGET', block_bucket(bprefix, f), f)
+    if v then
+      for j = 1, #v - 1, 2 do
+        local b1, b2 = byte(v, j, j + 1)
+        local t = b2 % M
+        local run = run_of(b1 * R + (b2 - t) / M)
+        if run and run[1] == depth then
+          run[1] = depth + 1
+          run[SLOT[t]] = run[SLOT[t]] + 1
+          moved = true
+        end
+      end
+    end
+    local function extend(rid)  -- predicted: counts as GPU, unless real placements moved it
+      local run = run_of(rid)
+      if run and run[1] == depth then
+        run[1], run[2], run[6] = depth + 1, run[2] + 1, run[6] + 1
+        moved = true
+      end
+    end
+    local p = call('HGET', block_bucket(pprefix, f), f)
+    if p then
+      clock = clock or now_ms()
+      for j = 1, #p - 7, 8 do
+        local b1, b2 = byte(p, j, j + 1)
+        if expiry_of(p, j) > clock then extend(b1 * 256 + b2) end
+      end
+    end
+    for rid in pairs(predicted[floor(k)] or {}) do extend(rid) end
+    if not moved then break end
+    depth = depth + 1
+    i = i + 8
+  end
 end
 local stats = redis.call('HGETALL', ARGV[1] .. ':stats')
 local hprefix, n = ARGV[1] .. ':h:', #chain / 8
@@ -386,8 +611,8 @@ if #horder > 0 then
   end
 end
 local session = {}
-if ARGV[5] and #ARGV[5] == 8 then
-  local h = redis.call('HGET', block_bucket(hprefix, ARGV[5]), ARGV[5])
+if #ARGV[6] == 8 then
+  local h = redis.call('HGET', block_bucket(hprefix, ARGV[6]), ARGV[6])
   if h and #h >= 14 then
     clock = clock or now_ms()
     if expiry_of(h, 7) > clock then
@@ -398,7 +623,7 @@ if ARGV[5] and #ARGV[5] == 8 then
   end
 end
 local load = {}
-if KEYS[2] then load = load_snapshot(KEYS[2], ARGV[3], tonumber(ARGV[4])) end
+if KEYS[2] then load = load_snapshot(KEYS[2], ARGV[4], tonumber(ARGV[5])) end
 local ahead = redis.call('HGETALL', ARGV[1] .. ':lookahead')
 if #order == 0 then return {{}, stats, named, load, ahead, session} end
 local names = redis.call('HMGET', KEYS[1], unpack(order))
@@ -530,10 +755,13 @@ LOAD_SNAPSHOT: Final = (
 # drops the expired records of one of the buckets it writes (a different one each
 # millisecond): every bucket is swept about as often as it is written.
 # predict: records that replica ``rid`` will hold these blocks until now + ttl (dropping
-# expired entries and its own older entry on the way).
+# expired entries and its own older entry on the way): each segment of the prompt inside them
+# as one entry (``ps:``), the others block by block (``p:``), so a long prompt costs a write
+# per segment, not per block.
 _ROUTED: Final = (
     BUCKETS
     + PREDICTIONS
+    + _HASHTABLE
     + """
 local function claim(hprefix, rid, ttl, anchors, clock)
   local n = #anchors / 8
@@ -556,11 +784,8 @@ local function claim(hprefix, rid, ttl, anchors, clock)
   end
   return n
 end
-local function predict(prefix, rid, ttl, chain, clock)
-  if #chain == 0 then return 0 end
-  local pprefix = prefix .. ':p:'
-  local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock + ttl)
-  for i = 1, #chain - 7, 8 do
+local function predict_blocks(pprefix, rid, mine, ttl, chain, clock, from, to)
+  for i = from * 8 + 1, to * 8 - 7, 8 do
     local f = string.sub(chain, i, i + 7)
     local key = block_bucket(pprefix, f)
     local v = redis.call('HGET', key, f)
@@ -576,9 +801,53 @@ local function predict(prefix, rid, ttl, chain, clock)
     redis.call('HSET', key, f, table.concat(out))
     if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
   end
+end
+-- the whole segments ending at these keys, in one hash (one HMGET, one HSET per 1000)
+local function predict_segments(prefix, rid, mine, ttl, ends, clock)
+  local slot = math.floor((clock + ttl) / W)
+  local key = prefix .. ':ps:' .. slot
+  redis.call('HSETNX', key, '', HASHTABLE)
+  for c = 1, #ends, 1000 do
+    local part = {unpack(ends, c, math.min(c + 999, #ends))}
+    local got = redis.call('HMGET', key, unpack(part))
+    local args = {}
+    for x, f in ipairs(part) do
+      local out, v = {mine}, got[x]
+      if v then
+        for j = 1, #v - 7, 8 do
+          local b1, b2 = string.byte(v, j, j + 1)
+          if b1 * 256 + b2 ~= rid and expiry_of(v, j) > clock then
+            out[#out + 1] = string.sub(v, j, j + 7)
+          end
+        end
+      end
+      args[#args + 1] = f
+      args[#args + 1] = table.concat(out)
+    end
+    redis.call('HSET', key, unpack(args))
+  end
+  redis.call('PEXPIREAT', key, (slot + 1) * W)
+end
+-- chain: the blocks at positions first, first + 1, ... of a prompt; each segment [kS, kS + S)
+-- inside it is predicted whole, the blocks before the first and after the last one by one
+local function predict(prefix, rid, ttl, chain, clock, first, S)
+  local n = #chain / 8
+  if n == 0 then return 0 end
+  local mine = string.char(math.floor(rid / 256), rid % 256) .. pack_expiry(clock + ttl)
+  local lo = math.ceil(first / S) * S - first  -- chain indices of the whole segments: lo..hi-1
+  local hi = math.floor((first + n) / S) * S - first
+  if hi <= lo then lo, hi = n, n end
+  local pprefix = prefix .. ':p:'
+  predict_blocks(pprefix, rid, mine, ttl, chain, clock, 0, lo)
+  predict_blocks(pprefix, rid, mine, ttl, chain, clock, hi, n)
+  if hi > lo then
+    local ends = {}
+    for i = lo + S, hi, S do ends[#ends + 1] = string.sub(chain, i * 8 - 7, i * 8) end
+    predict_segments(prefix, rid, mine, ttl, ends, clock)
+  end
   local plive = prefix .. ':plive'
   if redis.call('PTTL', plive) < ttl then redis.call('SET', plive, '1', 'PX', ttl) end
-  return #chain / 8
+  return n
 end
 """
 )
@@ -596,19 +865,22 @@ return claim(ARGV[1] .. ':h:', rid, tonumber(ARGV[3]), ARGV[4], now_ms())
 )
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, ttl ms, n x 8-byte block key,
-# replica name]. Returns the blocks predicted, or -1, writing nothing, when the rid no longer
+# replica name, the first key's position in its chain, blocks per segment]. Returns the
+# blocks predicted, or -1, writing nothing, when the rid no longer
 # belongs to that replica (Redis lost data, or the rid was released and reused).
 PREDICT: Final = (
     _ROUTED
     + """
 local rid = tonumber(ARGV[2])
 if redis.call('HGET', KEYS[1], rid) ~= ARGV[5] then return -1 end
-return predict(ARGV[1], rid, tonumber(ARGV[3]), ARGV[4], now_ms())
+return predict(ARGV[1], rid, tonumber(ARGV[3]), ARGV[4], now_ms(), tonumber(ARGV[6]),
+  tonumber(ARGV[7]))
 """
 )
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, replica name, prediction ttl ms,
-# predicted block keys, home ttl ms, anchor block keys] (8 bytes per key). PREDICT and CLAIM
+# predicted block keys, home ttl ms, anchor block keys (8 bytes per key), the first predicted
+# key's position in its chain, blocks per segment]. PREDICT and CLAIM
 # in one call: what a router writes after each request it routes. Returns 0, or -1, writing
 # nothing, when the rid no longer belongs to that replica.
 ROUTE: Final = (
@@ -617,7 +889,7 @@ ROUTE: Final = (
 local rid = tonumber(ARGV[2])
 if redis.call('HGET', KEYS[1], rid) ~= ARGV[3] then return -1 end
 local clock = now_ms()
-predict(ARGV[1], rid, tonumber(ARGV[4]), ARGV[5], clock)
+predict(ARGV[1], rid, tonumber(ARGV[4]), ARGV[5], clock, tonumber(ARGV[8]), tonumber(ARGV[9]))
 claim(ARGV[1] .. ':h:', rid, tonumber(ARGV[6]), ARGV[7], clock)
 return 0
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar, Final
+from typing import ClassVar, Final, TypeAlias
 
 import msgspec
 
@@ -25,10 +25,13 @@ from tracker.core.index import (
     Route,
     Survey,
 )
-from tracker.core.keys import TIER_BITS, home_anchors
-from tracker.core.ledger import LedgerChanges, ReplicaLedger
+from tracker.core.keys import SEGMENT_BLOCKS, TIER_BITS, home_anchors
+from tracker.core.ledger import LedgerChanges, ReplicaLedger, Segment
 
 _PREDICTION_SWEEP = 10_000
+
+Segments: TypeAlias = dict[int, dict[str, Segment]]
+"""Per segment (its last block's key), the replicas holding it whole and their counts."""
 
 
 def _best_slot(tiers: int) -> int:
@@ -48,24 +51,46 @@ def walk(
     keys: Sequence[int],
     holders_of: dict[int, dict[str, int]],
     predicted_of: Callable[[int], Iterable[str]] | None = None,
+    segments: Segments | None = None,
+    segment_blocks: int = SEGMENT_BLOCKS,
 ) -> dict[str, Match]:
     """Longest contiguous match per replica; stops at the first block no candidate holds.
 
-    Consecutive blocks held by the same replicas (the common case: a shared prefix) compare
-    equal as dicts, so a run costs one C-level comparison per block instead of a loop. Where
-    real placements end, ``predicted_of(key)`` (replicas predicted to hold ``key``) extends the
-    replicas still matching, or any replica if nothing matched. Each block of a run counts
-    in the cheapest tier the replica holds it in.
+    At each segment boundary (every ``segment_blocks`` blocks), when every replica still
+    matching holds the whole segment (``segments``: per segment's last key, its holders' counts
+    per tier), they all skip it at once. Otherwise blocks are walked: consecutive blocks held
+    by the same replicas (the common case: a shared prefix) compare equal as dicts, so a run
+    costs one C-level comparison per block instead of a loop. Where real placements end,
+    ``predicted_of(key)`` (replicas predicted to hold ``key``) extends the replicas still
+    matching, or any replica if nothing matched. Each block of a run counts in the cheapest
+    tier the replica holds it in.
     """
     lengths: dict[str, int] = {}
     tiers: dict[str, list[int]] = {}
     advanced: list[tuple[str, int]] = []
     previous: dict[str, int] | None = None
     depth = pending = 0
-    for key in keys:
-        holders = holders_of.get(key)
+    span, n, i = segment_blocks, len(keys), 0
+    while i < n:
+        boundary = i % span == 0 and i + span <= n
+        whole = segments.get(keys[i + span - 1]) if segments and boundary else None
+        if whole is not None:
+            for replica, slot in advanced:
+                lengths[replica] += pending
+                tiers[replica][slot] += pending
+            depth, pending = depth + pending, 0
+            if not depth:  # the candidates: the first block's holders
+                lengths = dict.fromkeys(holders_of.get(keys[0]) or (), 0)
+                tiers = {replica: [0, 0, 0, 0] for replica in lengths}
+            if _skip(whole, lengths, tiers, depth, span):
+                depth += span
+                i += span
+                advanced, previous = [], None
+                continue
+        holders = holders_of.get(keys[i])
         if not holders:
             break
+        i += 1
         if holders == previous:
             pending += 1
             continue
@@ -96,6 +121,26 @@ def walk(
             predicted=predicted,
         )
     return {r: _match(r, n, tiers.get(r), predicted.get(r, 0)) for r, n in lengths.items() if n}
+
+
+def _skip(
+    whole: dict[str, Segment],
+    lengths: dict[str, int],
+    tiers: dict[str, list[int]],
+    depth: int,
+    span: int,
+) -> bool:
+    """Move every replica still matching (its run ``depth`` long) over a segment if each of
+    them holds it ``whole``; False, moving none, if any does not (or none matches)."""
+    matching = [r for r, length in lengths.items() if length == depth]
+    if not matching or any(r not in whole for r in matching):
+        return False
+    for replica in matching:
+        lengths[replica] += span
+        counts = tiers[replica]
+        for slot, count in enumerate(whole[replica]):
+            counts[slot] += count
+    return True
 
 
 def _extend(
@@ -135,8 +180,11 @@ class MemoryIndex:
     """Its reads never suspend nor fail: a router in the same process reads it at once
     (:meth:`survey_now`), without a time budget or a circuit breaker."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, segment_blocks: int = SEGMENT_BLOCKS) -> None:
+        self.segment_blocks = segment_blocks
+        """Blocks per segment (tests use short ones to meet many boundaries)."""
         self._blocks: dict[Namespace, dict[int, dict[str, int]]] = {}
+        self._segments: dict[Namespace, Segments] = {}
         self._ledgers: dict[tuple[str, Namespace], ReplicaLedger] = {}
         self._seq: dict[tuple[str, Namespace], int] = {}
         self._registry: dict[str, ReplicaRecord] = {}
@@ -151,7 +199,8 @@ class MemoryIndex:
         base = namespace.base()
         ledger = self._ledgers.get((replica, base))
         if ledger is None:
-            ledger = self._ledgers[(replica, base)] = ReplicaLedger(replica, base)
+            ledger = ReplicaLedger(replica, base, segment_blocks=self.segment_blocks)
+            self._ledgers[(replica, base)] = ledger
         return ledger
 
     def _store(self, replica: str, namespace: Namespace, changes: LedgerChanges) -> None:
@@ -177,6 +226,17 @@ class MemoryIndex:
             entry = predictions.get(key) if predictions else None
             if entry:
                 entry.pop(replica, None)
+        segments = self._segments.setdefault(base, {})
+        for key, segment in changes.segments.items():
+            whole = segments.get(key)
+            if segment is not None:
+                if whole is None:
+                    whole = segments[key] = {}
+                whole[replica] = segment
+            elif whole is not None:
+                whole.pop(replica, None)
+                if not whole:
+                    del segments[key]
 
     async def apply(
         self, replica: str, namespace: Namespace, batch: EventBatch, seq: int | None = None
@@ -210,7 +270,14 @@ class MemoryIndex:
             entry = predictions.get(key) if predictions else None
             return [r for r, expiry in entry.items() if expiry > now] if entry else []
 
-        return walk(keys, self._blocks.get(namespace.base(), {}), predicted_of)
+        base = namespace.base()
+        return walk(
+            keys,
+            self._blocks.get(base, {}),
+            predicted_of,
+            self._segments.get(base),
+            self.segment_blocks,
+        )
 
     async def survey(
         self,

@@ -1,15 +1,17 @@
 """Redis-backed block index shared by every router and tracker; keys from :mod:`tracker.core.keys`.
 
 :class:`RedisIndex` answers lookups (one ``EVALSHA`` of :data:`tracker.core.lua.LOOKUP` walks
-the whole chain server-side), takes the routers' writes and keeps the replica registry; it
-has a :class:`~tracker.core.redis_writes.RedisWriter` for the trackers' writes and a
-:class:`~tracker.core.redis_recovery.RedisRecovery` for the server's upkeep.
+the chain server-side, a segment at a time where it is held whole), takes the routers' writes
+and keeps the replica registry; it has a :class:`~tracker.core.redis_writes.RedisWriter` for
+the trackers' writes and a :class:`~tracker.core.redis_recovery.RedisRecovery` for the
+server's upkeep.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
@@ -78,10 +80,18 @@ class RedisIndex:
         client alone.
     """
 
-    def __init__(self, client: redis.Redis, connection: RedisConnection | None = None) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        connection: RedisConnection | None = None,
+        *,
+        segment_blocks: int = schema.SEGMENT_BLOCKS,
+    ) -> None:
         self.client = client
         self._connection = connection or RedisConnection(client)
-        self.writer = RedisWriter(client)
+        self.segment_blocks = segment_blocks
+        """Blocks per segment: the partition's layout (tests use short ones)."""
+        self.writer = RedisWriter(client, segment_blocks=segment_blocks)
         """The trackers' writes: ledgers, ``APPLY``, pending changes, replica ids."""
         self.recovery = RedisRecovery(self.writer)
         """The server's upkeep: what it lost written back, partition fences, memory."""
@@ -93,11 +103,13 @@ class RedisIndex:
         self._registry = client.register_script(lua.REGISTRY)
 
     @classmethod
-    def from_url(cls, url: str, *, timeout_s: float = 2.0) -> RedisIndex:
+    def from_url(
+        cls, url: str, *, timeout_s: float = 2.0, segment_blocks: int = schema.SEGMENT_BLOCKS
+    ) -> RedisIndex:
         """Open the index at ``url``: a server, a Sentinel-monitored primary or a Redis
         Cluster (:func:`tracker.core.redis_client.open_redis`)."""
         connection = open_redis(url, timeout_s=timeout_s)
-        return cls(connection.client, connection)
+        return cls(connection.client, connection, segment_blocks=segment_blocks)
 
     # ----------------------------------------------------------- the trackers' writes (writer)
 
@@ -161,17 +173,18 @@ class RedisIndex:
     ) -> Survey:
         nk = self.writer.keys_for(namespace)
         # an empty chain still walks nothing and answers the residency
-        ttl_ms = max(1, round(load_ttl_s * 1000))  # as the load board rounds its own
-        args: list[str | bytes | int] = [
-            nk.tag,
-            _chain(keys),
-            load_except or "",
-            ttl_ms,
-            b"" if session is None else _chain([session]),
-        ]
-        script_keys = [nk.rname] if load_except is None else [nk.rname, nk.load]
-        call = self._lookup(keys=script_keys, args=args)
-        found, stats, homes, others, ahead, home = await redis_call("lookup", call)
+        chain = _chain(keys)
+        span = self.segment_blocks
+        ends = [chain[i * 8 - 8 : i * 8] for i in range(span, len(keys) + 1, span)]
+        home = b"" if session is None else _chain([session])
+        if load_except is None:
+            args: list[str | bytes | int] = [nk.tag, chain, span, "", 0, home, *ends]
+            call = self._lookup(keys=[nk.rname], args=args)
+        else:
+            ttl_ms = max(1, round(load_ttl_s * 1000))  # as the load board rounds its own
+            args = [nk.tag, chain, span, load_except, ttl_ms, home, *ends]
+            call = self._lookup(keys=[nk.rname, nk.load], args=args)
+        found, stats, homes, others, ahead, claim = await redis_call("lookup", call)
         matches: dict[str, Match] = {}
         for i in range(0, len(found), 7):  # name, blocks, GPU, CPU, storage, remote, predicted
             name = found[i].decode()
@@ -189,7 +202,9 @@ class RedisIndex:
         residency = {r: Residency(max(0, n), s) for r, (n, s) in counts.items()}
         load = load_sums(others) if load_except is not None else None
         lookahead = {ahead[i].decode(): int(ahead[i + 1]) for i in range(0, len(ahead) - 1, 2)}
-        sessions = {home[0].decode(): Home(len(keys), max(0, int(home[1])) / 1000)} if home else {}
+        sessions = (
+            {claim[0].decode(): Home(len(keys), max(0, int(claim[1])) / 1000)} if claim else {}
+        )
         return Survey(matches, residency, claims, load, lookahead, sessions)
 
     async def set_lookahead(self, replica: str, namespace: Namespace, tokens: int) -> None:
@@ -211,13 +226,13 @@ class RedisIndex:
             lambda rid, rname: self._claim(
                 keys=rname, args=[tag, rid, _ms(ttl_s), _chain(anchors), replica]
             ),
-            self._touched_by_routing(nk, (), anchors),
+            self._touched_by_routing(nk, (), anchors, 0.0),
         )
 
     async def route(self, namespace: Namespace, route: Route) -> None:
         replica, keys, anchors = route.replica, route.keys, route.anchors
         if not keys or not anchors:  # one of the two, or nothing, to write
-            await self.predict(namespace, replica, keys, route.ttl_s)
+            await self._predict_from(namespace, replica, keys, route.ttl_s, route.first)
             await self.claim(namespace, replica, anchors, route.home_ttl_s)
             return
         nk = self.writer.keys_for(namespace)
@@ -227,13 +242,15 @@ class RedisIndex:
             _chain(keys),
             _ms(route.home_ttl_s),
             _chain(anchors),
+            route.first,
+            self.segment_blocks,
         ]
         await self._as_replica(
             "route",
             namespace,
             replica,
             lambda rid, rname: self._route(keys=rname, args=[tag, rid, replica, *args]),
-            self._touched_by_routing(nk, keys, anchors),
+            self._touched_by_routing(nk, keys, anchors, route.ttl_s),
         )
 
     def route_now(self, namespace: Namespace, route: Route) -> bool:
@@ -247,30 +264,40 @@ class RedisIndex:
     async def predict(
         self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float
     ) -> None:
+        await self._predict_from(namespace, replica, keys, ttl_s, 0)
+
+    async def _predict_from(
+        self, namespace: Namespace, replica: str, keys: Sequence[int], ttl_s: float, first: int
+    ) -> None:
+        """:meth:`predict` of ``keys`` starting at position ``first`` of their chain."""
         if not keys:
             return
         nk = self.writer.keys_for(namespace)
-        tag = nk.tag
+        tag, span = nk.tag, self.segment_blocks
         await self._as_replica(
             "predict",
             namespace,
             replica,
             lambda rid, rname: self._predict(
-                keys=rname, args=[tag, rid, _ms(ttl_s), _chain(keys), replica]
+                keys=rname, args=[tag, rid, _ms(ttl_s), _chain(keys), replica, first, span]
             ),
-            self._touched_by_routing(nk, keys, ()),
+            self._touched_by_routing(nk, keys, (), ttl_s),
         )
 
     def _touched_by_routing(
-        self, nk: schema.NamespaceKeys, keys: Sequence[int], anchors: Sequence[int]
+        self, nk: schema.NamespaceKeys, keys: Sequence[int], anchors: Sequence[int], ttl_s: float
     ) -> list[str]:
         """On a cluster, the keys a routing write touches besides the rname hash: prediction
-        buckets (and the live marker) of ``keys``, home buckets of ``anchors``."""
+        buckets (and the live marker) of ``keys``, home buckets of ``anchors``, and the slots
+        of segment predictions its expiry may fall in (by this host's clock, give or take a
+        slot: Redis' own decides)."""
         if not self.writer.cluster:
             return []
         touched = {nk.prediction_bucket(key) for key in keys}
         if keys:
             touched.add(nk.plive)
+            slot = (round(time.time() * 1000) + _ms(ttl_s)) // schema.PREDICTION_SLOT_MS
+            touched.update(nk.prediction_segments(s) for s in (slot - 1, slot, slot + 1))
         touched.update(nk.home_bucket(key) for key in anchors)
         return sorted(touched)
 

@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from tracker.core import keys as schema
 from tracker.core import lua
 from tracker.core.blocks import Namespace
-from tracker.core.ledger import LedgerChanges, ReplicaLedger
+from tracker.core.ledger import LedgerChanges
 from tracker.core.redis_client import redis_call
 from tracker.core.redis_writes import RedisWriter
 from tracker.framework.errors import FencedError
@@ -151,7 +151,7 @@ class RedisRecovery:
         removed, as in a clear).
         """
         ledger = self.writer.ledgers[(replica, namespace)]
-        theirs = ReplicaLedger(replica, namespace)
+        theirs = self.writer.new_ledger(replica, namespace)
         rid = self.writer.known_rid(replica, namespace)
         if rid is not None:
             theirs.load(await self.writer.engine_map(rid, namespace))
@@ -166,7 +166,11 @@ class RedisRecovery:
             if stale is None or stale.pack() != entry.pack():
                 changes.engine[engine_hash] = entry
         changes.engine.update(dict.fromkeys(theirs.engine))
-        if not (changes.placements or changes.engine):
+        for key, segment in ledger.segments.items():
+            if theirs.segments.pop(key, None) != segment:
+                changes.segments[key] = segment
+        changes.segments.update(dict.fromkeys(theirs.segments))
+        if not (changes.placements or changes.engine or changes.segments):
             return 0
         logger.warning(
             "replica state in redis differs from its ledger, rewriting the difference",

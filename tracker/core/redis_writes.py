@@ -23,7 +23,7 @@ from tracker.core import lua
 from tracker.core.blocks import Namespace
 from tracker.core.events import EventBatch
 from tracker.core.index import ApplyResult
-from tracker.core.ledger import EngineBlock, LedgerChanges, ReplicaLedger
+from tracker.core.ledger import EngineBlock, LedgerChanges, ReplicaLedger, Segment
 from tracker.core.redis_client import redis_call
 from tracker.framework.errors import FencedError, IndexUnavailableError
 
@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 OPS_PER_CALL: Final = 8192
 _TIERS: Final = [bytes((t,)) for t in range(1 << schema.TIER_BITS)]
 _DELETE: Final = b"\x00" * (1 + schema.ENGINE_VALUE_BYTES)
+_NOT_WHOLE: Final = b"\x00" * schema.TIER_BITS
+
+
+def _segment_op(key: int, segment: Segment | None) -> bytes:
+    """One entry of ``APPLY``'s segments argument: the last block's key, blocks per tier."""
+    return key.to_bytes(8, "big") + (_NOT_WHOLE if segment is None else bytes(segment))
 
 
 def _touched_by_apply(
@@ -39,6 +45,7 @@ def _touched_by_apply(
     rid: int,
     placements: Sequence[tuple[int, int]],
     engine: Sequence[tuple[int, EngineBlock | None]],
+    segments: Sequence[tuple[int, Segment | None]],
 ) -> list[str]:
     """Every key an ``APPLY`` call may touch besides the six it names, for a cluster.
 
@@ -54,6 +61,8 @@ def _touched_by_apply(
         touched.add(nk.block_bucket(key))
         touched.add(nk.prediction_bucket(key))
     touched.update(nk.engine_bucket(rid, engine_hash) for engine_hash, _ in engine)
+    if segments:
+        touched.add(nk.segments)
     return sorted(touched)
 
 
@@ -69,11 +78,14 @@ class _Pending:
     def merge(self, changes: LedgerChanges, seq: str) -> None:
         self.changes.placements.update(changes.placements)
         self.changes.engine.update(changes.engine)
+        self.changes.segments.update(changes.segments)
+        self.changes.ends |= changes.ends
         if seq:
             self.seq = seq
 
     def __bool__(self) -> bool:
-        return bool(self.changes.placements or self.changes.engine or self.seq)
+        changes = self.changes
+        return bool(changes.placements or changes.engine or changes.segments or self.seq)
 
 
 class RedisWriter:
@@ -85,8 +97,9 @@ class RedisWriter:
     :param client: the index's Redis client.
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, *, segment_blocks: int = schema.SEGMENT_BLOCKS) -> None:
         self.client = client
+        self.segment_blocks = segment_blocks
         # on a cluster every key a writing script touches is declared (_touched_by_*)
         self.cluster = isinstance(client, RedisCluster)
         self.fence = 0  # fencing number of the elected tracker writing through this (0: none)
@@ -126,7 +139,7 @@ class RedisWriter:
             rid = int(rid)
             if created:
                 # A new id has no persisted engine map: nothing to restore.
-                self.ledgers.setdefault((replica, base), ReplicaLedger(replica, base))
+                self.ledgers.setdefault((replica, base), self.new_ledger(replica, base))
             await redis_call(
                 "namespace",
                 self.client.hset(
@@ -147,6 +160,10 @@ class RedisWriter:
         :meth:`rid` looks it up (or allocates it) again."""
         self._rids.pop((replica, namespace.base()), None)
 
+    def new_ledger(self, replica: str, namespace: Namespace) -> ReplicaLedger:
+        """An empty ledger of the replica, of this index's segment layout."""
+        return ReplicaLedger(replica, namespace.base(), segment_blocks=self.segment_blocks)
+
     async def ledger(self, replica: str, namespace: Namespace) -> ReplicaLedger:
         """The replica's ledger, rebuilt from the engine map Redis holds on first use."""
         base = namespace.base()
@@ -158,7 +175,7 @@ class RedisWriter:
         if ledger is not None:  # freshly allocated id
             return ledger
         entries = await self.engine_map(rid, base)
-        ledger = ReplicaLedger(replica, base)
+        ledger = self.new_ledger(replica, base)
         ledger.load(entries)
         self.ledgers[(replica, base)] = ledger
         if entries:
@@ -222,13 +239,16 @@ class RedisWriter:
         keys = [nk.seq, nk.rid, nk.rname, nk.ridseq, nk.ridfree, nk.fence(self.election)]
         placements = list(pending.changes.placements.items())
         engine = list(pending.changes.engine.items())
-        calls = max(1, -(-max(len(placements), len(engine)) // OPS_PER_CALL))
+        segments = list(pending.changes.segments.items())
+        ends = list(pending.changes.ends)
+        most = max(len(placements), len(engine), len(segments), len(ends))
+        calls = max(1, -(-most // OPS_PER_CALL))
         batches: list[list[Any]] = []
         declared: list[list[str]] = []
         for call in range(calls):
             window = slice(call * OPS_PER_CALL, (call + 1) * OPS_PER_CALL)
             touched = (
-                _touched_by_apply(nk, rid, placements[window], engine[window])
+                _touched_by_apply(nk, rid, placements[window], engine[window], segments[window])
                 if self.cluster
                 else []
             )
@@ -245,6 +265,8 @@ class RedisWriter:
                         for h, b in engine[window]
                     ),
                     self.fence,
+                    b"".join(_segment_op(k, segment) for k, segment in segments[window]),
+                    b"".join(k.to_bytes(8, "big") for k in ends[window]),
                 ]
             )
         if len(batches) == 1:
@@ -265,7 +287,7 @@ class RedisWriter:
         newer = self._pending.get((replica, namespace))
         snapshot = _Pending()
         snapshot.merge(
-            LedgerChanges(dict(ledger.placements()), dict(ledger.engine)),
+            LedgerChanges(dict(ledger.placements()), dict(ledger.engine), ledger.segment_changes()),
             newer.seq if newer is not None and newer.seq else pending.seq,
         )
         logger.warning(
@@ -358,6 +380,6 @@ class RedisWriter:
             if found is None:
                 return 0
             rid = int(found)
-        ledger = ReplicaLedger(replica, base)
+        ledger = self.new_ledger(replica, base)
         ledger.load(await self.engine_map(rid, base))
         return len(ledger)
