@@ -127,7 +127,7 @@ class BenchSettings(LogSettings):
     num_blocks: int | None = setting(
         None,
         f"KV-cache blocks per engine, {FULL.block_size} tokens each "
-        f"(default {FULL.num_blocks}, agents {AGENTS_BLOCKS}; quick {QUICK.num_blocks})",
+        f"(default {FULL.num_blocks}; agents {AGENTS_BLOCKS}; quick {QUICK.num_blocks})",
     )
     groups: int | None = setting(None, f"gsp/llmd: prefix groups ({_defaults('groups')})")
     prompts_per_group: int | None = setting(
