@@ -201,6 +201,21 @@ local lo = (rid % R) * M
 -- the engine's word on a block ends this replica's prediction of it (stored: superseded;
 -- removed: wrong from now on); checked only while some prediction may be live
 local live = redis.call('EXISTS', tag .. ':plive') == 1
+-- the engine's word on a block ends this replica's prediction of it (block or whole segment)
+local function unpredict(pkey, f)
+  local p = redis.call('HGET', pkey, f)
+  if not p then return end
+  local keep = {}
+  for j = 1, #p - 7, 8 do
+    local b1, b2 = string.byte(p, j, j + 1)
+    if b1 * 256 + b2 ~= rid then keep[#keep + 1] = string.sub(p, j, j + 7) end
+  end
+  if #keep == 0 then
+    redis.call('HDEL', pkey, f)
+  elseif #keep * 8 < #p then
+    redis.call('HSET', pkey, f, table.concat(keep))
+  end
+end
 local held, stored = 0, 0
 for i = 1, #places - 8, 9 do
   local f = string.sub(places, i, i + 7)
@@ -230,22 +245,7 @@ for i = 1, #places - 8, 9 do
   local gained = tiers % 2 - old % 2
   held = held + gained
   if gained > 0 then stored = stored + 1 end
-  if live then
-    local pkey = block_bucket(pprefix, f)
-    local p = redis.call('HGET', pkey, f)
-    if p then
-      local keep = {}
-      for j = 1, #p - 7, 8 do
-        local b1, b2 = string.byte(p, j, j + 1)
-        if b1 * 256 + b2 ~= rid then keep[#keep + 1] = string.sub(p, j, j + 7) end
-      end
-      if #keep == 0 then
-        redis.call('HDEL', pkey, f)
-      elseif #keep * 8 < #p then
-        redis.call('HSET', pkey, f, table.concat(keep))
-      end
-    end
-  end
+  if live then unpredict(block_bucket(pprefix, f), f) end
 end
 if held ~= 0 then redis.call('HINCRBY', tag .. ':stats', 'n:' .. replica, held) end
 if stored > 0 then redis.call('HINCRBY', tag .. ':stats', 's:' .. replica, stored) end
@@ -286,22 +286,7 @@ if live and #touched > 0 then
   local left = redis.call('PTTL', tag .. ':plive')
   for slot = math.floor(clock / W), math.floor((clock + math.max(left, 0)) / W) do
     local pkey = tag .. ':ps:' .. slot
-    for i = 1, #touched - 7, 8 do
-      local f = string.sub(touched, i, i + 7)
-      local p = redis.call('HGET', pkey, f)
-      if p then
-        local keep = {}
-        for j = 1, #p - 7, 8 do
-          local b1, b2 = string.byte(p, j, j + 1)
-          if b1 * 256 + b2 ~= rid then keep[#keep + 1] = string.sub(p, j, j + 7) end
-        end
-        if #keep == 0 then
-          redis.call('HDEL', pkey, f)
-        elseif #keep * 8 < #p then
-          redis.call('HSET', pkey, f, table.concat(keep))
-        end
-      end
-    end
+    for i = 1, #touched - 7, 8 do unpredict(pkey, string.sub(touched, i, i + 7)) end
   end
 end
 if seq == '-' then
