@@ -204,7 +204,7 @@ class Decider:
         fallback = fallback or view.fallback
         looked_up = time.perf_counter()
         stages["lookup"] = looked_up - hashed
-        states = self._states(model, block_size, candidates, view)
+        states = self._states(model, block_size, candidates, view, session)
         if not dry_run:
             self._shed(states)
         policy = self._policies.get(block_size)
@@ -254,9 +254,15 @@ class Decider:
             )
 
     def _states(
-        self, model: str, block_size: int, candidates: Sequence[Replica], view: SharedView
+        self,
+        model: str,
+        block_size: int,
+        candidates: Sequence[Replica],
+        view: SharedView,
+        session: int | None,
     ) -> list[ReplicaState]:
-        """What the policy knows of each candidate: the index's answer, load, engine gauges."""
+        """What the policy knows of each candidate: the index's answer, load, engine gauges
+        (``session``: the request's session key, if any)."""
         now = time.monotonic()
         speed = self.speeds.get(model)  # one estimate per model: see router.decide.estimator
         if view.residency:
@@ -305,6 +311,9 @@ class Decider:
                         self.occupancy.observe(replica.id, inflight) if self.occupancy else 0.0
                     ),
                     prefixes=self.reuse.prefixes(replica.id) if self.reuse else 0,
+                    sessions=(
+                        self.reuse.sessions(replica.id, besides=session) if self.reuse else 0
+                    ),
                     prefill_elapsed_ms=(
                         (now - load.prefill_since) * 1000
                         if load is not None and load.prefill_since is not None
@@ -394,7 +403,10 @@ class Decider:
         if self.occupancy is not None and state is not None:
             self.occupancy.observe(replica, state.inflight + 1)  # the request joins its count
         if self.reuse is not None and keys:  # the replica holds the whole chain after it
-            attempt.booking = self.reuse.record(replica, keys[0], len(keys))
+            root = keys[0] if placement.session is None else placement.session
+            attempt.booking = self.reuse.record(
+                replica, root, len(keys), session=placement.session is not None
+            )
         return attempt
 
     def first_token(self, attempt: Attempt) -> None:

@@ -71,6 +71,7 @@ class DecisionJournal:
                 "churn": None if state.churn is None else round(state.churn, 3),
                 "home": round(state.home_blocks, 1),
                 "session_home": state.session_home,
+                "sessions": state.sessions,
             }
         line = {
             "t": round(time.time(), 4),

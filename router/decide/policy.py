@@ -74,7 +74,10 @@ def decide(
         score_replica(prompt_tokens, state, config, output_tokens, fleet) for state in candidates
     )
     values = [s.score for s in scores]
-    if config.temperature > 0:
+    stay = _session_stay(scores, candidates, config)
+    if stay is not None:
+        index = stay
+    elif config.temperature > 0:
         index = _sample(values, config.temperature, rng)
     else:
         best = max(values)
@@ -93,6 +96,32 @@ def decide(
             tied = [i for i in tied if _busyness(candidates[i], fleet) == fewest]
         index = tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
     return Decision(scores[index].replica, scores, config.mode)
+
+
+def _session_stay(
+    scores: Sequence[Score], candidates: Sequence[ReplicaState], config: PolicyConfig
+) -> int | None:
+    """The session's home, if the request stays there: it would start there no later than
+    anywhere else (expected TTFT within ``tie_ratio`` and ``tie_epsilon_ms`` of the soonest
+    other; a KV-full home is late by its penalty). None: no home among the candidates, or
+    another engine would start it sooner, or not ``mode="ttft"``: the score decides.
+
+    Sticky until saturated, never a pin: what the score adds to a home's TTFT for the
+    requests beside it is mostly the session's own subagents there, while a move prefills
+    the session's whole history on an engine whose own sessions come back to it.
+    docs/architecture.md ("Sessions") gives the measurements.
+    """
+    if config.mode != "ttft" or config.temperature > 0:
+        return None
+    home = next((i for i, state in enumerate(candidates) if state.session_home), None)
+    if home is None:
+        return None
+    others = [s.expected_ttft_ms for i, s in enumerate(scores) if i != home]
+    if not others:
+        return home
+    soonest = min(others)
+    own = scores[home].expected_ttft_ms
+    return home if own <= soonest * (1.0 + config.tie_ratio) + config.tie_epsilon_ms else None
 
 
 def _sample(values: Sequence[float], temperature: float, rng: random.Random) -> int:

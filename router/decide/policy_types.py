@@ -67,8 +67,11 @@ class ReplicaState:
     :param prefill_elapsed_ms: how long ago the oldest of the requests there that have not
         produced their first token was sent (through any router): the engine has been prefilling the
         queue at least that long, so that much of ``queued_prefill_tokens`` is done.
-    :param prefixes: the prefix groups (chains by their first block) this router sent here
-        lately (:meth:`router.decide.reuse.ReuseBook.prefixes`).
+    :param prefixes: the prefix groups (chains by their first block, or sessions) this router
+        sent here lately (:meth:`router.decide.reuse.ReuseBook.prefixes`).
+    :param sessions: the sessions other than the request's own this router sent here lately
+        (:meth:`router.decide.reuse.ReuseBook.sessions`): their next turns will come back
+        here, so a prefill here delays as many requests at least.
     """
 
     id: str
@@ -91,6 +94,7 @@ class ReplicaState:
     matched_storage_blocks: int = 0
     matched_remote_blocks: int = 0
     prefixes: int = 0
+    sessions: int = 0
     session_home: bool = False
 
 

@@ -30,11 +30,17 @@ class Booking:
 
 
 class _Replica:
-    __slots__ = ("blocks", "prefixes")
+    __slots__ = ("blocks", "prefixes", "sessions")
 
     def __init__(self) -> None:
         self.prefixes: OrderedDict[int, tuple[int, float]] = OrderedDict()  # root -> depth, at
         self.blocks = 0
+        self.sessions: set[int] = set()  # the roots that are session keys
+
+    def drop(self, root: int) -> None:
+        depth, _ = self.prefixes.pop(root)
+        self.blocks -= depth
+        self.sessions.discard(root)
 
 
 class ReuseBook:
@@ -51,9 +57,14 @@ class ReuseBook:
         self._since = clock()
         self._replicas: dict[str, _Replica] = {}
 
-    def record(self, replica: str, root: int, blocks: int) -> Booking | None:
+    def record(
+        self, replica: str, root: int, blocks: int, *, session: bool = False
+    ) -> Booking | None:
         """A request routed to ``replica`` left ``blocks`` blocks of the chain that starts
         with block key ``root`` cached there (its deepest there since it last lapsed counts).
+
+        ``session``: ``root`` is the request's session key, not its first block: sessions
+        that share a preamble are chains of their own (a session's subagents are its own).
 
         Returns what to hand :meth:`withdraw` if the request never reaches the replica.
         """
@@ -69,9 +80,10 @@ class ReuseBook:
         written = (blocks, self.clock())
         entry.prefixes[root] = written
         entry.blocks += blocks
+        if session:
+            entry.sessions.add(root)
         if len(entry.prefixes) > _MAX_PREFIXES:
-            depth, _ = entry.prefixes.popitem(last=False)[1]
-            entry.blocks -= depth
+            entry.drop(next(iter(entry.prefixes)))
         return Booking(replica, root, written, old)
 
     def withdraw(self, booking: Booking) -> None:
@@ -80,9 +92,11 @@ class ReuseBook:
         entry = self._replicas.get(booking.replica)
         if entry is None or entry.prefixes.get(booking.root) != booking.written:
             return
-        entry.blocks -= booking.written[0]
-        del entry.prefixes[booking.root]
+        was_session = booking.root in entry.sessions
+        entry.drop(booking.root)
         if booking.replaced is not None:
+            if was_session:
+                entry.sessions.add(booking.root)
             entry.prefixes[booking.root] = booking.replaced
             entry.prefixes.move_to_end(booking.root, last=False)
             entry.blocks += booking.replaced[0]
@@ -107,6 +121,15 @@ class ReuseBook:
         entry = self._replicas.get(replica)
         return len(entry.prefixes) if entry is not None else 0
 
+    def sessions(self, replica: str, *, besides: int | None = None) -> int:
+        """How many sessions (other than ``besides``, a session key) were sent to ``replica``
+        within the window: the load its sessions will bring back after their think time."""
+        self._watched(replica, self.clock())
+        entry = self._replicas.get(replica)
+        if entry is None:
+            return 0
+        return len(entry.sessions) - (besides in entry.sessions)
+
     def _watched(self, replica: str, now: float) -> int:
         entry = self._replicas.get(replica)
         if entry is None:
@@ -114,11 +137,10 @@ class ReuseBook:
         horizon = now - self.window_s
         prefixes = entry.prefixes
         while prefixes:
-            root, (depth, at) = next(iter(prefixes.items()))
+            root, (_, at) = next(iter(prefixes.items()))
             if at >= horizon:
                 break
-            del prefixes[root]
-            entry.blocks -= depth
+            entry.drop(root)
         return entry.blocks
 
     def forget(self, replica: str) -> None:

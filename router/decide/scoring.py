@@ -107,7 +107,7 @@ def score_replica(
         claimed = min(state.home_blocks * size, prompt_tokens)
         split = max(0.0, min(fleet.home_tokens, prompt_tokens) - claimed)
         s = speed.prefill_ms_per_token
-        compute = s * own_work * max(active, share * state.recent_inflight)
+        compute = s * own_work * max(active, share * state.recent_inflight, state.sessions)
         weight = (config.miss_weight - 1.0) * s * (1.0 + fleet.busy)
         evict = weight * (own_work * regret + split * share)
         value = -(ttft + compute + evict)

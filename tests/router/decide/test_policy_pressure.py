@@ -279,17 +279,51 @@ def test_a_scrape_taken_while_the_last_request_ran_does_not_make_home_busy() -> 
     assert own.compute_ms == pytest.approx(DEFAULT_SPEED.prefill_ms_per_token * PROMPT * 4)
 
 
-def test_a_session_home_takes_ties_and_nothing_more() -> None:
-    """A session's home wins where the score cannot tell (a turn sharing no block with any
-    cache), after the prompt's own home; a cached hit or an idle engine elsewhere still wins."""
+def test_a_session_stays_home_unless_another_engine_starts_it_sooner() -> None:
+    """A session's home wins while no other engine would give the first token sooner, even
+    over the prompt's own home (the key is explicit, the chain's home inferred); a cached
+    hit, a queue or a full KV cache at home let it go."""
     room = {"cache_blocks": 1000, "resident_blocks": 0}
     fresh = [ReplicaState("a", **room), ReplicaState("b", session_home=True, **room),
              ReplicaState("c", **room)]  # fmt: skip
     assert all(decide(800, fresh, CONFIG, random.Random(s)).replica == "b" for s in range(20))
     homed = [fresh[0], fresh[1], ReplicaState("c", home_blocks=10, **room)]
-    assert all(decide(800, homed, CONFIG, random.Random(s)).replica == "c" for s in range(20))
+    assert all(decide(800, homed, CONFIG, random.Random(s)).replica == "b" for s in range(20))
     cached = [ReplicaState("a", matched_blocks=40, matched_gpu_blocks=40, **room), fresh[1]]
     assert decide(800, cached, CONFIG, random.Random(0)).replica == "a"
     busy = [fresh[0], ReplicaState("b", session_home=True, inflight=4,
             queued_prefill_tokens=20_000, **room)]  # fmt: skip
     assert decide(800, busy, CONFIG, random.Random(0)).replica == "a"
+    full_kv = [fresh[0], ReplicaState("b", session_home=True, kv_usage=0.99, engine_running=1,
+               inflight=1, **room)]  # fmt: skip
+    assert decide(800, full_kv, CONFIG, random.Random(0)).replica == "a"
+
+
+def test_a_session_stays_beside_its_own_subagents() -> None:
+    """A 30k-token turn whose history (1,800 blocks) is cached at home, where 30 of the
+    session's subagents run: the score alone prices their delay above a cold prefill on an
+    idle engine and would move the session, but home starts it far sooner (decision log of
+    the agents matrix cell, 2026-12-07: such moves were its slowest requests)."""
+    prompt, history = 30_000, 1_800
+    home = {"matched_blocks": history, "matched_gpu_blocks": history, "inflight": 30,
+            "queued_prefill_tokens": 1_600, "cache_blocks": 8_000, "resident_blocks": 2_000}
+    idle = ReplicaState("idle", cache_blocks=8_000, resident_blocks=0)
+    keyless = [ReplicaState("home", **home), idle]  # type: ignore[arg-type]
+    assert decide(prompt, keyless, CONFIG, random.Random(0)).replica == "idle"
+    keyed = [ReplicaState("home", session_home=True, **home), idle]  # type: ignore[arg-type]
+    decision = decide(prompt, keyed, CONFIG, random.Random(0))
+    assert decision.replica == "home"
+    assert decision.scores[0].score < decision.scores[1].score  # not by the score
+
+
+def test_a_new_session_goes_where_fewer_sessions_live() -> None:
+    """Two idle engines, one the home of two other sessions in their think time: a new
+    session's cold prefill there would delay their next turns, so it goes to the other."""
+    room = {"cache_blocks": 8_000, "resident_blocks": 0}
+    hosts = ReplicaState("hosts", sessions=2, matched_blocks=180, matched_gpu_blocks=180,
+                         **room)  # fmt: skip
+    empty = ReplicaState("empty", **room)
+    assert decide(18_000, [hosts, empty], CONFIG, random.Random(0)).replica == "empty"
+    own = score_replica(18_000, hosts, CONFIG)
+    uncached = 18_000 - 180 * 16
+    assert own.compute_ms == pytest.approx(DEFAULT_SPEED.prefill_ms_per_token * uncached * 2)
