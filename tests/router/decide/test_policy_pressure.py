@@ -305,8 +305,14 @@ def test_a_session_stays_beside_its_own_subagents() -> None:
     idle engine and would move the session, but home starts it far sooner (decision log of
     the agents matrix cell, 2026-12-07: such moves were its slowest requests)."""
     prompt, history = 30_000, 1_800
-    home = {"matched_blocks": history, "matched_gpu_blocks": history, "inflight": 30,
-            "queued_prefill_tokens": 1_600, "cache_blocks": 8_000, "resident_blocks": 2_000}
+    home = {
+        "matched_blocks": history,
+        "matched_gpu_blocks": history,
+        "inflight": 30,
+        "queued_prefill_tokens": 1_600,
+        "cache_blocks": 8_000,
+        "resident_blocks": 2_000,
+    }
     idle = ReplicaState("idle", cache_blocks=8_000, resident_blocks=0)
     keyless = [ReplicaState("home", **home), idle]  # type: ignore[arg-type]
     assert decide(prompt, keyless, CONFIG, random.Random(0)).replica == "idle"
