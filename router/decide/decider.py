@@ -204,7 +204,7 @@ class Decider:
         fallback = fallback or view.fallback
         looked_up = time.perf_counter()
         stages["lookup"] = looked_up - hashed
-        states = self._states(model, block_size, candidates, view, session)
+        states = self._states(model, block_size, candidates, view)
         if not dry_run:
             self._shed(states)
         policy = self._policies.get(block_size)
@@ -254,15 +254,9 @@ class Decider:
             )
 
     def _states(
-        self,
-        model: str,
-        block_size: int,
-        candidates: Sequence[Replica],
-        view: SharedView,
-        session: int | None,
+        self, model: str, block_size: int, candidates: Sequence[Replica], view: SharedView
     ) -> list[ReplicaState]:
-        """What the policy knows of each candidate: the index's answer, load, engine gauges
-        (``session``: the request's session key, if any)."""
+        """What the policy knows of each candidate: the index's answer, load, engine gauges."""
         now = time.monotonic()
         speed = self.speeds.get(model)  # one estimate per model: see router.decide.estimator
         if view.residency:
@@ -311,9 +305,7 @@ class Decider:
                         self.occupancy.observe(replica.id, inflight) if self.occupancy else 0.0
                     ),
                     prefixes=self.reuse.prefixes(replica.id) if self.reuse else 0,
-                    sessions=(
-                        self.reuse.sessions(replica.id, besides=session) if self.reuse else 0
-                    ),
+                    sessions=view.sessions.get(replica.id, 0),
                     prefill_elapsed_ms=(
                         (now - load.prefill_since) * 1000
                         if load is not None and load.prefill_since is not None
@@ -397,6 +389,8 @@ class Decider:
             + ([placement.session] if placement.session is not None else []),
             self.settings.home_ttl_s,
             first=placed,
+            session=placement.session,
+            session_ttl_s=self.settings.reuse_window_s,
         )
         self.shared.record(namespace, route)
         state = placement.state(replica)
@@ -404,9 +398,7 @@ class Decider:
             self.occupancy.observe(replica, state.inflight + 1)  # the request joins its count
         if self.reuse is not None and keys:  # the replica holds the whole chain after it
             root = keys[0] if placement.session is None else placement.session
-            attempt.booking = self.reuse.record(
-                replica, root, len(keys), session=placement.session is not None
-            )
+            attempt.booking = self.reuse.record(replica, root, len(keys))
         return attempt
 
     def first_token(self, attempt: Attempt) -> None:

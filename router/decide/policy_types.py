@@ -69,9 +69,10 @@ class ReplicaState:
         queue at least that long, so that much of ``queued_prefill_tokens`` is done.
     :param prefixes: the prefix groups (chains by their first block, or sessions) this router
         sent here lately (:meth:`router.decide.reuse.ReuseBook.prefixes`).
-    :param sessions: the sessions other than the request's own this router sent here lately
-        (:meth:`router.decide.reuse.ReuseBook.sessions`): their next turns will come back
-        here, so a prefill here delays as many requests at least.
+    :param sessions: the sessions other than the request's own that routers sent here
+        within the reuse window and nowhere since (the index's count,
+        :attr:`tracker.core.index.Survey.sessions`): their next turns will come back here, so
+        a prefill here delays at least as many requests.
     """
 
     id: str

@@ -30,17 +30,15 @@ class Booking:
 
 
 class _Replica:
-    __slots__ = ("blocks", "prefixes", "sessions")
+    __slots__ = ("blocks", "prefixes")
 
     def __init__(self) -> None:
         self.prefixes: OrderedDict[int, tuple[int, float]] = OrderedDict()  # root -> depth, at
         self.blocks = 0
-        self.sessions: set[int] = set()  # the roots that are session keys
 
     def drop(self, root: int) -> None:
         depth, _ = self.prefixes.pop(root)
         self.blocks -= depth
-        self.sessions.discard(root)
 
 
 class ReuseBook:
@@ -57,14 +55,13 @@ class ReuseBook:
         self._since = clock()
         self._replicas: dict[str, _Replica] = {}
 
-    def record(
-        self, replica: str, root: int, blocks: int, *, session: bool = False
-    ) -> Booking | None:
+    def record(self, replica: str, root: int, blocks: int) -> Booking | None:
         """A request routed to ``replica`` left ``blocks`` blocks of the chain that starts
         with block key ``root`` cached there (its deepest there since it last lapsed counts).
 
-        ``session``: ``root`` is the request's session key, not its first block: sessions
-        that share a preamble are chains of their own (a session's subagents are its own).
+        A request that names a session books under the session's key instead of its first
+        block: sessions that share a preamble are chains of their own (and a session's
+        subagents part of the session's).
 
         Returns what to hand :meth:`withdraw` if the request never reaches the replica.
         """
@@ -80,8 +77,6 @@ class ReuseBook:
         written = (blocks, self.clock())
         entry.prefixes[root] = written
         entry.blocks += blocks
-        if session:
-            entry.sessions.add(root)
         if len(entry.prefixes) > _MAX_PREFIXES:
             entry.drop(next(iter(entry.prefixes)))
         return Booking(replica, root, written, old)
@@ -92,11 +87,8 @@ class ReuseBook:
         entry = self._replicas.get(booking.replica)
         if entry is None or entry.prefixes.get(booking.root) != booking.written:
             return
-        was_session = booking.root in entry.sessions
         entry.drop(booking.root)
         if booking.replaced is not None:
-            if was_session:
-                entry.sessions.add(booking.root)
             entry.prefixes[booking.root] = booking.replaced
             entry.prefixes.move_to_end(booking.root, last=False)
             entry.blocks += booking.replaced[0]
@@ -120,15 +112,6 @@ class ReuseBook:
         self._watched(replica, self.clock())
         entry = self._replicas.get(replica)
         return len(entry.prefixes) if entry is not None else 0
-
-    def sessions(self, replica: str, *, besides: int | None = None) -> int:
-        """How many sessions (other than ``besides``, a session key) were sent to ``replica``
-        within the window: the load its sessions will bring back after their think time."""
-        self._watched(replica, self.clock())
-        entry = self._replicas.get(replica)
-        if entry is None:
-            return 0
-        return len(entry.sessions) - (besides in entry.sessions)
 
     def _watched(self, replica: str, now: float) -> int:
         entry = self._replicas.get(replica)

@@ -106,6 +106,9 @@ class RouteFeed:
             b"a": _pack(route.anchors),
             b"h": round(route.home_ttl_s * 1000),
         }
+        if route.session is not None:
+            fields[b"s"] = _pack([route.session])
+            fields[b"w"] = round(route.session_ttl_s * 1000)
         self._pending.append((stream, fields))
         if self._pusher is None or self._pusher.done():
             self._pusher = asyncio.get_running_loop().create_task(
@@ -175,11 +178,22 @@ class RouteFeed:
                     replica = fields[b"p"].decode()
                     keys, anchors = _unpack(fields[b"k"]), _unpack(fields[b"a"])
                     ttl_s, home_ttl_s = int(fields[b"t"]) / 1000, int(fields[b"h"]) / 1000
-                except (KeyError, ValueError, struct.error) as exc:  # not a route of ours
+                    session = _unpack(fields[b"s"])[0] if b"s" in fields else None
+                    session_ttl_s = int(fields.get(b"w", 0)) / 1000
+                except (KeyError, ValueError, IndexError, struct.error) as exc:  # not a route
                     self.stats.malformed += 1
                     logger.debug("skipping a malformed route entry", extra={"error": str(exc)})
                     continue
-                route = Route(replica, keys, ttl_s, anchors, home_ttl_s, age_s)
+                route = Route(
+                    replica,
+                    keys,
+                    ttl_s,
+                    anchors,
+                    home_ttl_s,
+                    age_s,
+                    session=session,
+                    session_ttl_s=session_ttl_s,
+                )
                 self.index.route_now(namespace, route)
                 applied += 1
         self.stats.applied += applied

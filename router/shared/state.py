@@ -148,6 +148,7 @@ class SharedView:
     homes: dict[str, Home] = field(default_factory=dict)
     lookahead: dict[str, int] = field(default_factory=dict)
     session: dict[str, Home] = field(default_factory=dict)
+    sessions: dict[str, int] = field(default_factory=dict)
 
 
 def _view_of(survey: Survey, loads: dict[str, Load]) -> SharedView:
@@ -158,6 +159,7 @@ def _view_of(survey: Survey, loads: dict[str, Load]) -> SharedView:
         homes=survey.homes,
         lookahead=survey.lookahead,
         session=survey.session,
+        sessions=survey.sessions,
     )
 
 

@@ -50,27 +50,6 @@ def test_prefixes_sum_by_their_deepest_reuse_and_lapse_after_the_window() -> Non
     assert book.valued("b", None) == 0
 
 
-def test_sessions_are_chains_of_their_own_and_count_apart() -> None:
-    """Sessions sharing a preamble (one first block) book their own depths under their keys;
-    a replica's sessions other than the asking one's lapse after the window."""
-    clock = ManualClock(100.0)
-    book = ReuseBook(30.0, clock=clock)
-    clock.now += 30.0
-    book.record("a", root=7001, blocks=1_500, session=True)
-    book.record("a", root=7002, blocks=2_000, session=True)
-    booking = book.record("a", root=7003, blocks=900, session=True)
-    book.record("a", root=1, blocks=200)  # keyless traffic: a prefix group, not a session
-    assert book.valued("a", None) == 4_600
-    assert (book.sessions("a"), book.sessions("a", besides=7001), book.prefixes("a")) == (3, 2, 4)
-    assert booking is not None
-    book.withdraw(booking)  # never reached the replica
-    assert (book.sessions("a"), book.valued("a", None)) == (2, 3_700)
-    clock.now += 20.0
-    book.record("a", root=7002, blocks=2_100, session=True)  # its next turn
-    clock.now += 15.0
-    assert (book.sessions("a"), book.sessions("a", besides=7002), book.sessions("b")) == (1, 0, 0)
-
-
 def test_the_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="window_s"):
         ReuseBook(0.0)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from tests.factories import LLAMA, batch
-from tracker.core.blocks import Namespace, block_keys
+from tracker.core.blocks import Namespace, block_keys, session_key
 from tracker.core.events import BlockRemoved, BlockStored
-from tracker.core.index import ReplicaRecord
+from tracker.core.index import ReplicaRecord, Route
 from tracker.core.redis_index import RedisIndex
 from tracker.core.redis_writes import OPS_PER_CALL
 
@@ -59,6 +59,12 @@ async def exercise(index: RedisIndex) -> None:
     assert await matches(index, SEQ) == {"r1": (3, 3)}
     assert (await index.lookup(LLAMA, block_keys(big, LLAMA)))["r2"].blocks == OPS_PER_CALL + 1
     assert await index.last_seq("r1", LLAMA) == 2
+    keys, session = block_keys(SEQ, LLAMA), session_key(LLAMA, "agent")
+    for replica in ("r1", "r2"):  # a session routed, then moved
+        route = Route(replica, keys, 5, [keys[0], session], 5, session=session, session_ttl_s=5)
+        await index.route(LLAMA, route)
+    survey = await index.survey(LLAMA, keys, session=session_key(LLAMA, "another"))
+    assert survey.sessions == {"r2": 1} and set(survey.session) == set()
     await index.register(ReplicaRecord(id="r1", model="llama", block_size=4, ttl_s=0.01))
     assert [r.id for r in await index.replicas()] == ["r1"]
     await asyncio.sleep(0.05)

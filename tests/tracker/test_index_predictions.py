@@ -202,3 +202,23 @@ async def test_a_session_home_follows_the_last_route_of_the_session(index: Block
     survey = await index.survey(LLAMA, block_keys(long, LLAMA), session=session)
     assert survey.matches["a"].blocks == 70
     assert set(survey.session) == {"b"} and survey.session["b"].blocks == 70
+
+
+async def test_each_replica_counts_the_other_sessions_living_there(index: BlockIndex) -> None:
+    """A route that names a session makes it live on its replica for the route's window, and
+    on no other (a move, even one with nothing left to predict); a survey asked for a
+    session counts each replica's others."""
+    keys = block_keys(SEQ, LLAMA)
+    s = [session_key(LLAMA, f"agent-{i}") for i in range(4)]
+    for i, replica in ((0, "a"), (1, "a"), (2, "b")):
+        route = Route(replica, keys, 5, [s[i]], 5, session=s[i], session_ttl_s=0.6)
+        await index.route(LLAMA, route)
+    assert (await index.survey(LLAMA, keys)).sessions == {}  # asked only with a session
+    assert (await index.survey(LLAMA, keys, session=s[3])).sessions == {"a": 2, "b": 1}
+    assert (await index.survey(LLAMA, keys, session=s[0])).sessions == {"a": 1, "b": 1}
+    await index.route(LLAMA, Route("b", (), 5, [s[1]], 5, session=s[1], session_ttl_s=0.6))
+    assert (await index.survey(LLAMA, keys, session=s[3])).sessions == {"a": 1, "b": 2}
+    other = Namespace("another-model", LLAMA.block_size)  # partitions stay apart
+    assert (await index.survey(other, keys, session=s[3])).sessions == {}
+    await asyncio.sleep(0.7)
+    assert (await index.survey(LLAMA, keys, session=s[3])).sessions == {}

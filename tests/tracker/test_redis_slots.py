@@ -35,6 +35,7 @@ _ARG = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _KEYED = {"HGET", "HSET", "HDEL", "HMGET", "HGETALL", "GET", "SET", "INCR", "DECR"}
 _KEYED |= {"SPOP", "SADD", "SREM", "SISMEMBER", "HEXISTS", "EXISTS", "DEL", "HINCRBY"}
 _KEYED |= {"PTTL", "PEXPIRE", "PEXPIREAT", "HSETNX"}
+_KEYED |= {"ZADD", "ZREM", "ZREMRANGEBYSCORE", "ZCOUNT", "ZSCORE"}
 _KEYLESS = {"TIME"}
 
 
@@ -123,7 +124,7 @@ async def test_each_script_call_stays_in_one_slot(
         calls = monitor.calls(client)
         shas = {
             name: client.script_load(getattr(lua, name))
-            for name in ("APPLY", "LOOKUP", "RID", "RELEASE_RID", "HEARTBEAT", "REGISTRY")
+            for name in ("APPLY", "LOOKUP", "ROUTE", "RID", "RELEASE_RID", "HEARTBEAT", "REGISTRY")
         }
         assert {sha for sha, _, _ in calls} == set(shas.values())
         by_sha = {sha: name for name, sha in shas.items()}
@@ -137,7 +138,7 @@ async def test_each_script_call_stays_in_one_slot(
             assert len(slots) == 1, (by_sha[sha], touched)
             tags = {hash_tag(key) for key in touched | set(declared)}
             assert len(tags) == 1, (by_sha[sha], touched)
-            if by_sha[sha] in ("APPLY", "LOOKUP", "RID", "RELEASE_RID"):
+            if by_sha[sha] in ("APPLY", "LOOKUP", "ROUTE", "RID", "RELEASE_RID"):
                 assert tags == {schema.nsid(LLAMA)}
             else:
                 assert tags == {"replicas"}

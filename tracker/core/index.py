@@ -107,6 +107,10 @@ class Survey(msgspec.Struct, frozen=True):
     session: dict[str, Home] = msgspec.field(default_factory=dict)
     """The replica the asked session (:func:`tracker.core.blocks.session_key`) was last routed
     to, if its claim is live: its home covers the whole chain asked for."""
+    sessions: dict[str, int] = msgspec.field(default_factory=dict)
+    """Asked with a session: per replica, how many other sessions were routed there within
+    their window (:attr:`Route.session_ttl_s`) and not routed elsewhere since: the turns that
+    will come back to it. Replicas with none are left out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +126,8 @@ class Route:
         lifetimes count from then.
     :param first: the position of ``keys[0]`` in the prompt's chain: where the segments a
         shared index predicts whole begin (a wrong one only costs those predictions).
+    :param session: the request's session key, if it names one: the session lives on the
+        replica for ``session_ttl_s`` (:attr:`Survey.sessions`), and on no other since.
     """
 
     replica: str
@@ -131,6 +137,8 @@ class Route:
     home_ttl_s: float = 0.0
     age_s: float = 0.0
     first: int = 0
+    session: int | None = None
+    session_ttl_s: float = 0.0
 
 
 class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True):

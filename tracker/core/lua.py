@@ -303,9 +303,11 @@ return status
 # block key, blocks per segment, with the load hash: the router id whose entries to skip
 # (else ''), its presence's ttl ms (else 0), a session key (8 bytes, or ''), then the keys of
 # the chain's segment ends (its blocks S-1, 2S-1, ...), one argument each]
-# Returns {matches, stats, homes, load, lookahead, session}: session [replica, age ms] of the
-# session key's live home record, or empty; lookahead the partition's lookahead hash
-# (replica -> tokens after each block its engine hashes, tracker.core.keys); load_snapshot of the
+# Returns {matches, stats, homes, load, lookahead, session, lives}: session [replica, age ms]
+# of the session key's live home record, or empty; lives [replica, sessions, ...]: with a
+# session key, each replica's other live sessions (``ss:<rid>``, ROUTE), those with any;
+# lookahead the partition's lookahead hash (replica -> tokens after each block its engine
+# hashes, tracker.core.keys); load_snapshot of the
 # load hash when given (one round trip for a router's whole view), else empty; matches a flat
 # array [replica, matched blocks, GPU, CPU, storage, remote, predicted blocks, ...]; stats the
 # partition's whole stats hash (HGETALL), for every replica; homes [replica, depth in blocks,
@@ -607,10 +609,27 @@ if #ARGV[6] == 8 then
     end
   end
 end
+local lives = {}
+if #ARGV[6] == 8 then
+  clock = clock or now_ms()
+  local rn = redis.call('HGETALL', KEYS[1])
+  for j = 1, #rn - 1, 2 do
+    local live = ARGV[1] .. ':ss:' .. rn[j]
+    local c = redis.call('ZCOUNT', live, '(' .. clock, '+inf')
+    if c > 0 then
+      local own = redis.call('ZSCORE', live, ARGV[6])
+      if own and tonumber(own) > clock then c = c - 1 end
+      if c > 0 then
+        lives[#lives + 1] = rn[j + 1]
+        lives[#lives + 1] = c
+      end
+    end
+  end
+end
 local load = {}
 if KEYS[2] then load = load_snapshot(KEYS[2], ARGV[4], tonumber(ARGV[5])) end
 local ahead = redis.call('HGETALL', ARGV[1] .. ':lookahead')
-if #order == 0 then return {{}, stats, named, load, ahead, session} end
+if #order == 0 then return {{}, stats, named, load, ahead, session, lives} end
 local names = redis.call('HMGET', KEYS[1], unpack(order))
 local out = {}
 for k, rid in ipairs(order) do
@@ -619,7 +638,7 @@ for k, rid in ipairs(order) do
     for slot = 1, 6 do out[#out + 1] = runs[rid][slot] end
   end
 end
-return {out, stats, named, load, ahead, session}
+return {out, stats, named, load, ahead, session, lives}
 """
 )
 
@@ -865,17 +884,35 @@ return predict(ARGV[1], rid, tonumber(ARGV[3]), ARGV[4], now_ms(), tonumber(ARGV
 
 # KEYS: [rname hash]; ARGV: [key prefix with hash tag, rid, replica name, prediction ttl ms,
 # predicted block keys, home ttl ms, anchor block keys (8 bytes per key), the first predicted
-# key's position in its chain, blocks per segment]. PREDICT and CLAIM
-# in one call: what a router writes after each request it routes. Returns 0, or -1, writing
-# nothing, when the rid no longer belongs to that replica.
+# key's position in its chain, blocks per segment, the request's session key (8 bytes, or ''),
+# the session's window ms]. PREDICT and CLAIM in one call: what a router writes after each
+# request it routes. A session (also one of the anchors) joins the replica's live sessions
+# (``ss:<rid>``, a sorted set scored by expiry, swept as it is written) and leaves the set of
+# the replica its home named before. Returns 0, or -1, writing nothing, when the rid no longer
+# belongs to that replica.
 ROUTE: Final = (
     _ROUTED
     + """
 local rid = tonumber(ARGV[2])
 if redis.call('HGET', KEYS[1], rid) ~= ARGV[3] then return -1 end
 local clock = now_ms()
+local session, before = ARGV[10], nil
+if #session == 8 then
+  before = redis.call('HGET', block_bucket(ARGV[1] .. ':h:', session), session)
+end
 predict(ARGV[1], rid, tonumber(ARGV[4]), ARGV[5], clock, tonumber(ARGV[8]), tonumber(ARGV[9]))
 claim(ARGV[1] .. ':h:', rid, tonumber(ARGV[6]), ARGV[7], clock)
+if #session == 8 then
+  if before and #before >= 14 then
+    local b1, b2 = string.byte(before, 1, 2)
+    local was = b1 * 256 + b2
+    if was ~= rid then redis.call('ZREM', ARGV[1] .. ':ss:' .. was, session) end
+  end
+  local live, window = ARGV[1] .. ':ss:' .. rid, tonumber(ARGV[11])
+  redis.call('ZADD', live, clock + window, session)
+  redis.call('ZREMRANGEBYSCORE', live, '-inf', clock)
+  if redis.call('PTTL', live) < window then redis.call('PEXPIRE', live, window) end
+end
 return 0
 """
 )

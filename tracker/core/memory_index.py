@@ -193,6 +193,8 @@ class MemoryIndex:
         self._residency: dict[Namespace, dict[str, list[int]]] = {}
         self._lookahead: dict[Namespace, dict[str, int]] = {}
         self._homes: dict[Namespace, dict[int, tuple[str, float, float]]] = {}
+        # partition -> replica -> session key -> (routed at, lives until), monotonic
+        self._sessions: dict[Namespace, dict[str, dict[int, tuple[float, float]]]] = {}
         self._sweep_at = 0.0
 
     def _ledger(self, replica: str, namespace: Namespace) -> ReplicaLedger:
@@ -312,6 +314,7 @@ class MemoryIndex:
             self._walk_homes(namespace, keys),
             lookahead=dict(self._lookahead.get(namespace.base(), {})),
             session=self._session_home(namespace, session, len(keys)),
+            sessions=self._live_sessions(namespace, session),
         )
 
     async def set_lookahead(self, replica: str, namespace: Namespace, tokens: int) -> None:
@@ -343,6 +346,17 @@ class MemoryIndex:
         if entry is None or entry[2] <= now:
             return {}
         return {entry[0]: Home(blocks, now - entry[1])}
+
+    def _live_sessions(self, namespace: Namespace, session: int | None) -> dict[str, int]:
+        if session is None:
+            return {}
+        now = time.monotonic()
+        counts: dict[str, int] = {}
+        for replica, live in self._sessions.get(namespace.base(), {}).items():
+            count = sum(1 for s, (_, expiry) in live.items() if expiry > now and s != session)
+            if count:
+                counts[replica] = count
+        return counts
 
     async def claim(
         self, namespace: Namespace, replica: str, anchors: Sequence[int], ttl_s: float
@@ -386,8 +400,28 @@ class MemoryIndex:
             claim = homes.get(key)
             if claim is None or claim[1] <= since:
                 homes[key] = (replica, since, since + home_ttl_s)
+        if route.session is not None and since + route.session_ttl_s > now:
+            self._live(namespace, replica, route.session, since, since + route.session_ttl_s)
         if max(len(table), len(homes)) > _PREDICTION_SWEEP and self._sweep_at <= now:
             self._sweep_predictions(now)
+
+    def _live(
+        self, namespace: Namespace, replica: str, session: int, since: float, expiry: float
+    ) -> None:
+        """``session`` was routed to ``replica`` at ``since``: it lives there until ``expiry``
+        and no longer where it was routed before (unless it was routed there later)."""
+        replicas = self._sessions.setdefault(namespace.base(), {})
+        for other, live in replicas.items():
+            entry = live.get(session)
+            if entry is not None and other != replica and entry[0] <= since:
+                del live[session]
+        mine = replicas.setdefault(replica, {})
+        entry = mine.get(session)
+        if entry is None or entry[0] <= since:
+            mine[session] = (since, expiry)
+        if len(mine) > _PREDICTION_SWEEP:
+            for key in [k for k, (_, e) in mine.items() if e <= time.monotonic()]:
+                del mine[key]
 
     def _sweep_predictions(self, now: float) -> None:
         """Drop expired predictions (bounded memory: at most one sweep per second)."""

@@ -184,7 +184,7 @@ class RedisIndex:
             ttl_ms = max(1, round(load_ttl_s * 1000))  # as the load board rounds its own
             args = [nk.tag, chain, span, load_except, ttl_ms, home, *ends]
             call = self._lookup(keys=[nk.rname, nk.load], args=args)
-        found, stats, homes, others, ahead, claim = await redis_call("lookup", call)
+        found, stats, homes, others, ahead, claim, lives = await redis_call("lookup", call)
         matches: dict[str, Match] = {}
         for i in range(0, len(found), 7):  # name, blocks, GPU, CPU, storage, remote, predicted
             name = found[i].decode()
@@ -205,7 +205,8 @@ class RedisIndex:
         sessions = (
             {claim[0].decode(): Home(len(keys), max(0, int(claim[1])) / 1000)} if claim else {}
         )
-        return Survey(matches, residency, claims, load, lookahead, sessions)
+        live = {lives[i].decode(): int(lives[i + 1]) for i in range(0, len(lives) - 1, 2)}
+        return Survey(matches, residency, claims, load, lookahead, sessions, live)
 
     async def set_lookahead(self, replica: str, namespace: Namespace, tokens: int) -> None:
         key = self.writer.keys_for(namespace.base()).lookahead
@@ -231,9 +232,8 @@ class RedisIndex:
 
     async def route(self, namespace: Namespace, route: Route) -> None:
         replica, keys, anchors = route.replica, route.keys, route.anchors
-        if not keys or not anchors:  # one of the two, or nothing, to write
+        if not anchors:  # predictions alone, or nothing, to write
             await self._predict_from(namespace, replica, keys, route.ttl_s, route.first)
-            await self.claim(namespace, replica, anchors, route.home_ttl_s)
             return
         nk = self.writer.keys_for(namespace)
         tag = nk.tag
@@ -244,6 +244,8 @@ class RedisIndex:
             _chain(anchors),
             route.first,
             self.segment_blocks,
+            b"" if route.session is None else _chain([route.session]),
+            _ms(route.session_ttl_s),
         ]
         await self._as_replica(
             "route",
