@@ -67,7 +67,12 @@ def test_every_axis_has_cells_that_bench_accepts() -> None:
     assert cache_700.digest == routers[0].digest
     # the light cells, where every router keeps its groups home, pool three seeds
     pooled = {(c.axis, c.label) for c in matrix if c.seeds == 3}
-    assert pooled == {("cache", "4096 roomy"), ("cache", "1024"), ("load", "25%")}
+    assert pooled == {
+        ("cache", "4096 roomy"),
+        ("cache", "1024"),
+        ("load", "25%"),
+        ("agents", "8192 roomy"),
+    }
     assert all(c.seeds == 1 for c in matrix if (c.axis, c.label) not in pooled)
     once = Cell("cache", "1024", next(c for c in matrix if c.label == "1024").settings)
     assert once.digest != next(c for c in matrix if c.label == "1024").digest

@@ -60,6 +60,19 @@ async def test_routes_reach_the_other_routers_index_not_their_own(feeds: Factory
     assert (await a.index.survey(SIM, KEYS)).matches == {}
 
 
+async def test_a_keyed_route_carries_its_session(feeds: Factory) -> None:
+    """A route that names a session makes the session live on its replica in the other
+    routers' indexes too, for the route's window."""
+    a, b = feeds("a"), feeds("b")
+    b.want(SIM)
+    a.publish(SIM, Route("r1", KEYS, 3.0, [11, 77], 120.0, session=77, session_ttl_s=30.0))
+    a.publish(SIM, Route("r2", KEYS, 3.0, [11], 120.0))  # keyless: no session
+    await _drain(a)
+    assert await b.refresh() == 2
+    assert (await b.index.survey(SIM, KEYS, session=99)).sessions == {"r1": 1}
+    assert set((await b.index.survey(SIM, KEYS, session=77)).session) == {"r1"}
+
+
 async def test_a_route_counts_from_when_it_was_made(feeds: Factory) -> None:
     """Lifetimes run from the entry's time: an old prediction is not revived, its home
     claim keeps its age, and a claim made later is not overwritten by an earlier one."""
