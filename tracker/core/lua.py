@@ -597,21 +597,15 @@ if #horder > 0 then
     end
   end
 end
-local session = {}
-if #ARGV[6] == 8 then
-  local h = redis.call('HGET', block_bucket(hprefix, ARGV[6]), ARGV[6])
-  if h and #h >= 14 then
-    clock = clock or now_ms()
-    if expiry_of(h, 7) > clock then
-      local b1, b2 = string.byte(h, 1, 2)
-      local name = redis.call('HGET', KEYS[1], b1 * 256 + b2)
-      if name then session = {name, clock - expiry_of(h, 1)} end
-    end
-  end
-end
-local lives = {}
+local session, lives = {}, {}
 if #ARGV[6] == 8 then
   clock = clock or now_ms()
+  local h = redis.call('HGET', block_bucket(hprefix, ARGV[6]), ARGV[6])
+  if h and #h >= 14 and expiry_of(h, 7) > clock then
+    local b1, b2 = string.byte(h, 1, 2)
+    local name = redis.call('HGET', KEYS[1], b1 * 256 + b2)
+    if name then session = {name, clock - expiry_of(h, 1)} end
+  end
   local rn = redis.call('HGETALL', KEYS[1])
   for j = 1, #rn - 1, 2 do
     local live = ARGV[1] .. ':ss:' .. rn[j]

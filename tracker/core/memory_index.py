@@ -419,12 +419,10 @@ class MemoryIndex:
         entry = mine.get(session)
         if entry is None or entry[0] <= since:
             mine[session] = (since, expiry)
-        if len(mine) > _PREDICTION_SWEEP:
-            for key in [k for k, (_, e) in mine.items() if e <= time.monotonic()]:
-                del mine[key]
 
     def _sweep_predictions(self, now: float) -> None:
-        """Drop expired predictions (bounded memory: at most one sweep per second)."""
+        """Drop expired predictions, home claims and live sessions (bounded memory: at most
+        one sweep per second)."""
         self._sweep_at = now + 1.0
         for table in self._predictions.values():
             for key in [k for k, e in table.items() if max(e.values(), default=0.0) <= now]:
@@ -432,6 +430,11 @@ class MemoryIndex:
         for homes in self._homes.values():
             for key in [k for k, (_, _, expiry) in homes.items() if expiry <= now]:
                 del homes[key]
+        # a live session is also a home claim, so the homes' size bounds the sessions'
+        for replicas in self._sessions.values():
+            for live in replicas.values():
+                for key in [k for k, (_, expiry) in live.items() if expiry <= now]:
+                    del live[key]
 
     async def block_count(self, replica: str, namespace: Namespace) -> int:
         return len(self._ledger(replica, namespace))
