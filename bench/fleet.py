@@ -11,6 +11,7 @@ from bench.stack.config import Gateway, StackConfig, VllmEngines
 from publishers.config import EngineShape, shape_fields
 from publishers.sim.latency import LatencyProfile, load_profile
 from router.decide.policy_types import PolicyConfig, SpeedEstimate
+from router.decide.scoring import prefill_work
 
 # Real-time router guards sized for a shared benchmark machine, where the router's event loop
 # and Redis are descheduled for tens of ms at a time (docs/benchmarks.md); deployments keep
@@ -18,12 +19,19 @@ from router.decide.policy_types import PolicyConfig, SpeedEstimate
 BENCH_ROUTER_ARGS: Final = ("--lookup-timeout-ms", "100", "--connect-timeout-s", "10")
 
 
+def attention_tokens(profile: LatencyProfile) -> float:
+    """The context length at which a token's attention costs as much as the rest of its
+    forward pass on ``profile``'s engines (the routers' ``--attention-tokens``)."""
+    return profile.token_ms / profile.attention_ms if profile.attention_ms > 0 else 0.0
+
+
 def lone_prefill_speed(
     profile: LatencyProfile, max_num_batched_tokens: int, time_scale: float = 1.0
 ) -> SpeedEstimate:
     """The simulated prefill of a lone prompt on an idle engine (its chunks one step each),
-    as a line, times ``time_scale``: the slope between 1k and 8k tokens, the floor through a
-    hit's 64-token tail (the step floor)."""
+    as a line over its work (:func:`router.decide.scoring.prefill_work`), times
+    ``time_scale``: the slope between 1k and 8k tokens, the floor through a hit's 64-token
+    tail (the step floor)."""
 
     def lone_ms(tokens: int) -> float:
         done, total = 0, 0.0
@@ -33,9 +41,12 @@ def lone_prefill_speed(
             done += chunk
         return total * time_scale
 
+    def work(tokens: int) -> float:
+        return prefill_work(tokens, 0, attention_tokens(profile))
+
     short, long = 1024, 8192
-    slope = (lone_ms(long) - lone_ms(short)) / (long - short)
-    return SpeedEstimate(max(0.0, lone_ms(64) - slope * 64), slope)
+    slope = (lone_ms(long) - lone_ms(short)) / (work(long) - work(short))
+    return SpeedEstimate(max(0.0, lone_ms(64) - slope * work(64)), slope)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,13 +84,12 @@ class FleetConfig(EngineShape):
         the rare cold prefills (docs/architecture.md); the other two are not learned, and
         unscaled they made a full home look a third as slow as it was (load 50 %: TTFT p95
         582 ms against 169 scaled, docs/benchmarks.md)."""
-        speed = lone_prefill_speed(
-            load_profile(self.profile, floor_ms=self.floor_ms),
-            self.max_num_batched_tokens,
-            self.time_scale,
-        )
+        profile = load_profile(self.profile, floor_ms=self.floor_ms)
+        speed = lone_prefill_speed(profile, self.max_num_batched_tokens, self.time_scale)
         policy = PolicyConfig()
         return (
+            "--attention-tokens",
+            f"{attention_tokens(profile):.0f}",
             "--prefill-floor-ms",
             f"{speed.floor_ms:.3f}",
             "--prefill-ms-per-token",

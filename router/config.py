@@ -145,8 +145,15 @@ class RouterSettings(ServiceSettings):
     )
     prefill_ms_per_token: float = setting(
         DEFAULT_SPEED.prefill_ms_per_token,
-        "seed of the learned prefill speed: ms per uncached prompt token (the slope is "
-        "learned from the rare cold prefills: a seed far off stays off for long)",
+        "seed of the learned prefill speed: ms per uncached prompt token of a short prompt "
+        "(longer ones cost more, see --attention-tokens; the slope is learned from the rare "
+        "cold prefills: a seed far off stays off for long)",
+    )
+    attention_tokens: float = setting(
+        _POLICY.attention_tokens,
+        "ttft policy: context length at which a prompt token's attention costs as much as the "
+        "rest of its prefill, so a 100k-token prefill costs ~3x a short prompt's per token "
+        "(default: Llama-3.1-8B on an H200; ~40,000 for Llama-70B; 0: linear)",
     )
     lookup_timeout_ms: float = setting(10.0, "time budget of the index lookup and load snapshot")
     lookup_timeout_per_block_us: float = setting(
@@ -360,6 +367,7 @@ class RouterSettings(ServiceSettings):
             miss_weight=self.miss_weight,
             kv_full_penalty_ms=self.kv_full_penalty_ms,
             decode_ms_per_request=self.decode_ms_per_request,
+            attention_tokens=self.attention_tokens,
         )
 
 

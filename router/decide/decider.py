@@ -372,9 +372,7 @@ class Decider:
         """
         score = placement.score(replica)
         namespace, keys = placement.namespace, placement.keys
-        lease = self.shared.load.acquire(
-            namespace, replica, score.uncached_tokens + round(score.loading_tokens)
-        )
+        lease = self.shared.load.acquire(namespace, replica, round(score.prefill_work))
         self.metrics.inflight.labels(replica).inc()
         attempt = Attempt(placement, replica, score, lease)
         if not (placement.request.stream if sees_first_token is None else sees_first_token):

@@ -27,7 +27,7 @@ class SpeedEstimate:
         return self.floor_ms + self.prefill_ms_per_token * tokens
 
 
-DEFAULT_SPEED: Final = SpeedEstimate(floor_ms=25.0, prefill_ms_per_token=0.032)
+DEFAULT_SPEED: Final = SpeedEstimate(floor_ms=25.0, prefill_ms_per_token=0.028)
 """Llama-3.1-8B on one H200 (see :mod:`router.decide.policy`); a seed, refined online."""
 
 
@@ -40,8 +40,9 @@ class ReplicaState:
         ``matched_storage_blocks`` in local storage and ``matched_remote_blocks`` in a remote
         store (at best), the rest in the CPU memory of its host.
     :param inflight: requests in flight on this replica, summed over every router.
-    :param queued_prefill_tokens: uncached prompt tokens of in-flight requests that have not
-        produced their first token yet, summed over every router.
+    :param queued_prefill_tokens: prefill work of in-flight requests that have not produced
+        their first token yet, summed over every router, in the tokens of a short prompt
+        (:func:`router.decide.scoring.prefill_work`: a long prompt's count more).
     :param engine_waiting: / :param engine_running: / :param kv_usage: the replica's own
         vLLM ``/metrics`` (``num_requests_waiting``, ``num_requests_running``,
         ``kv_cache_usage_perc`` in 0..1); None when unknown.
@@ -64,9 +65,11 @@ class ReplicaState:
     :param recent_inflight: the routers' requests in flight on it over the last seconds
         (:class:`router.decide.occupancy.OccupancyBook`): the load a prefill there will meet even
         when the requests of the moment have just finished.
-    :param prefill_elapsed_ms: how long ago the oldest of the requests there that have not
-        produced their first token was sent (through any router): the engine has been prefilling the
-        queue at least that long, so that much of ``queued_prefill_tokens`` is done.
+    :param prefill_elapsed_ms: how long the engine has been working on the requests there
+        that have not produced their first token (through any router; since the oldest was
+        sent or the one before them stopped prefilling,
+        :meth:`router.shared.load.LoadTotals.since`): that much of ``queued_prefill_tokens``
+        is done.
     :param prefixes: the prefix groups (chains by their first block, or sessions) this router
         sent here lately (:meth:`router.decide.reuse.ReuseBook.prefixes`).
     :param sessions: the sessions other than the request's own that routers sent here
@@ -118,6 +121,7 @@ class PolicyConfig:
     kv_high_watermark: float = 0.9
     kv_full_penalty_ms: float = 250.0
     miss_weight: float = 3.0
+    attention_tokens: float = 26_000.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("ttft", "linear"):
@@ -139,6 +143,7 @@ class PolicyConfig:
             "unseen_request_tokens",
             "decode_ms_per_request",
             "kv_full_penalty_ms",
+            "attention_tokens",
         ):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -150,8 +155,9 @@ class Score:
     """One candidate's score with its breakdown (for logs, metrics and a dry-run endpoint).
 
     ``work_tokens`` is the prefill work ahead of the request's first token in token units
-    (queued + unseen + uncached + offload-weighted cached): what
-    :meth:`router.decide.estimator.SpeedBook.observe` wants next to the measured TTFT.
+    (:func:`router.decide.scoring.prefill_work`: queued + unseen + its own, uncached and
+    offload-weighted cached): what :meth:`router.decide.estimator.SpeedBook.observe` wants
+    next to the measured TTFT; ``prefill_work`` its own share, which its lease queues.
     ``loading_tokens`` is the offloaded part's share of it (each tier's tokens times its cost).
     """
 
@@ -165,6 +171,7 @@ class Score:
     expected_ttft_ms: float
     score: float
     work_tokens: float = 0.0
+    prefill_work: float = 0.0
     loading_tokens: float = 0.0
     regret: float = 1.0
     compute_ms: float = 0.0

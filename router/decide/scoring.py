@@ -53,9 +53,27 @@ def active_requests(state: ReplicaState) -> int:
     return max(state.inflight, engine)
 
 
+def prefill_work(tokens: float, context: float, attention_tokens: float) -> float:
+    """The work of prefilling ``tokens`` new tokens after ``context`` cached ones, in tokens
+    of a short prompt (the unit of the learned speed).
+
+    Each new token also attends to every token before it, which costs ``1 /
+    attention_tokens`` of its own forward pass per token attended: a 100k-token prompt is
+    ~2.9 short prompts' worth of work per token on Llama-3.1-8B, not one (a linear price
+    said its engine was free while two thirds of its prefill was still to run).
+    ``attention_tokens`` 0: linear.
+    """
+    if tokens <= 0:
+        return 0.0
+    if attention_tokens <= 0:
+        return float(tokens)
+    return tokens * (1.0 + (context + tokens / 2.0) / attention_tokens)
+
+
 def _queued_tokens(state: ReplicaState, config: PolicyConfig) -> float:
-    """Prefill work ahead of a new request: every router's queue, less what the engine has
-    done of it since the oldest pending request was sent, plus unseen waiting ones."""
+    """Prefill work ahead of a new request (:func:`prefill_work` units): every router's
+    queue, less what the engine has done of it since the oldest pending request was sent,
+    plus unseen waiting ones."""
     unseen = max(0, (state.engine_waiting or 0) - state.inflight) * config.unseen_request_tokens
     done = max(0.0, state.prefill_elapsed_ms) / state.speed.prefill_ms_per_token
     return max(0.0, state.queued_prefill_tokens - done) + unseen
@@ -90,7 +108,8 @@ def score_replica(
         excess = min(usage, MAX_KV_USAGE) - config.kv_high_watermark
         queue_ms += config.kv_full_penalty_ms * excess / (1.0 - config.kv_high_watermark)
 
-    own_work = uncached + loading
+    own_tokens = uncached + loading
+    own_work = prefill_work(uncached, usable * size, config.attention_tokens) + loading
     prefill_ms = speed.prefill_ms(own_work)
     ttft = queue_ms + prefill_ms
     share = eviction_share(state, (uncached + offload) / size)  # offload hits load into GPU
@@ -109,7 +128,7 @@ def score_replica(
         s = speed.prefill_ms_per_token
         compute = s * own_work * max(active, share * state.recent_inflight, state.sessions)
         weight = (config.miss_weight - 1.0) * s * (1.0 + fleet.busy)
-        evict = weight * (own_work * regret + split * share)
+        evict = weight * (own_tokens * regret + split * share)
         value = -(ttft + compute + evict)
     else:
         matched = (gpu + offload - loading) / size
@@ -125,6 +144,7 @@ def score_replica(
         expected_ttft_ms=ttft,
         score=value,
         work_tokens=queued + own_work,
+        prefill_work=own_work,
         loading_tokens=loading,
         regret=regret,
         compute_ms=compute,

@@ -35,6 +35,10 @@ _WHOLE_SEED: Final = 1  # a whole prompt encoded with special tokens
 # Misses this short are encoded on the event loop: a worker thread's round trip (~0.1 ms, and
 # the GIL handed back and forth) costs more than encoding a question-sized piece.
 INLINE_CHARS: Final = 1_024
+# ... and with a tokenizer's own fast exact encoder (the builtin's: 14k characters in ~0.7 ms
+# on the event loop), anything up to this: on a busy host the round trip to a worker thread
+# waited for the GIL and the CPU for 14 ms on average (Mooncake trace, ~14k-token prompts).
+FAST_INLINE_CHARS: Final = 16_384
 
 
 Ids = tuple[int, ...]
@@ -107,23 +111,26 @@ class PromptTokenizer:
         *,
         cache_tokens: int = RouterSettings.tokenizer_cache_tokens,
         executor: Executor | None = None,
-        inline_chars: int = INLINE_CHARS,
+        inline_chars: int | None = None,
     ) -> None:
         """:param cache_tokens: cache bound in token ids (4 bytes each, ~32 per entry extra).
         :param executor: where misses are encoded (default: the loop's default executor).
         :param inline_chars: misses of at most this many characters in all are encoded in the
-            calling thread: a worker thread's round trip costs more than encoding them.
+            calling thread: a worker thread's round trip costs more than encoding them
+            (default: :data:`INLINE_CHARS`, or :data:`FAST_INLINE_CHARS` with a fast encoder).
         """
         if cache_tokens < 0:
             raise ValueError(f"cache_tokens must be >= 0, got {cache_tokens}")
-        if inline_chars < 0:
+        if inline_chars is not None and inline_chars < 0:
             raise ValueError(f"inline_chars must be >= 0, got {inline_chars}")
-        self.inline_chars = inline_chars
         self.tokenizer = tokenizer
         self._hf = tokenizer.hf
         # tracker.core.tokens gives some tokenizers (the builtin) a faster exact encoder than the
         # HF pipeline; Tokenizer.encode uses it, and so do we when it is there.
         self._fast = getattr(tokenizer, "_fast_encode", None) is not None
+        if inline_chars is None:
+            inline_chars = FAST_INLINE_CHARS if self._fast else INLINE_CHARS
+        self.inline_chars = inline_chars
         self.plan = plan_segments(self._hf)
         self._added = {i: (i,) for i in self.plan.added.values()}
         # One int object per id (~36 bytes each), shared by every cached piece: a cached token

@@ -24,11 +24,13 @@ _Key = tuple[Namespace, str]
 class Load:
     """A replica's load: requests in flight, and prefill tokens not yet past first token.
 
-    :param prefill_since: when the oldest request there that has not produced its first token
-        was sent (``time.monotonic()``), through this router or, in
+    :param prefill_since: since when the engine has been working on the requests there that
+        have not produced their first token (``time.monotonic()``): when the oldest was sent,
+        or when the last request before them stopped prefilling, whichever is later
+        (:meth:`LoadTotals.since`), through this router or, in
         :meth:`router.shared.redis_load.RedisLoadBoard.merge`, another; None: none is pending.
-        The engine has been working through the queue at least since then, so that much
-        of ``queued_prefill_tokens`` is already done (:mod:`router.decide.policy`, ``queue_ms``).
+        That much of ``queued_prefill_tokens`` is already done (:mod:`router.decide.scoring`,
+        ``queue_ms``).
     """
 
     inflight: int = 0
@@ -153,8 +155,10 @@ class LoadTotals:
     def __init__(self, on_change: Callable[[Namespace, str], None] | None = None) -> None:
         self._on_change = on_change
         self._totals: dict[Namespace, dict[str, list[int]]] = {}
-        # per (partition, replica): the leases still prefilling, oldest first (an ordered set)
+        # per (partition, replica): the leases still prefilling, oldest first (an ordered set),
+        # and when the last one before them stopped prefilling (while any still is)
         self._prefilling: dict[_Key, dict[Lease, None]] = {}
+        self._finished: dict[_Key, float] = {}
 
     def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
         """Count a request just sent to ``replica``; release the returned lease when done.
@@ -174,13 +178,27 @@ class LoadTotals:
         pending = self._prefilling.get(key)
         if pending is not None:
             pending.pop(lease, None)
-            if not pending:
+            if pending:
+                self._finished[key] = time.monotonic()
+            else:
                 del self._prefilling[key]
+                self._finished.pop(key, None)
 
     def since(self, namespace: Namespace, replica: str) -> float | None:
-        """When this router's oldest request still prefilling on ``replica`` was sent."""
-        pending = self._prefilling.get((namespace, replica))
-        return next(iter(pending)).started if pending else None
+        """Since when the engine has been working on this router's requests still prefilling
+        on ``replica``: when the oldest of them was sent, or when the last request before
+        them stopped prefilling, whichever is later. None: none is prefilling.
+
+        The engine spent the time before on that request: counted from the oldest send, a
+        120k-token prefill that had waited 8 s behind an 82k one looked 8 s done when it
+        started, and a short prompt was placed behind the 5 s it still had to go.
+        """
+        key = (namespace, replica)
+        pending = self._prefilling.get(key)
+        if not pending:
+            return None
+        oldest = next(iter(pending)).started
+        return max(oldest, self._finished.get(key, oldest))
 
     def _adjust(self, namespace: Namespace, replica: str, inflight: int, tokens: int) -> None:
         per = self._totals.setdefault(namespace, {})

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from router.config import RouterSettings
+from router.decide.scoring import prefill_work
 from router.decide.tokenize import TokenizerBook
 from router.http.app import create_app
 from router.http.proxy import PREDICTED_HEADER, REPLICA_HEADER
@@ -169,7 +170,8 @@ async def test_the_prefill_speed_starts_from_the_configured_seed() -> None:
         answer = await client.post("/index", json={"model": "sim", "token_ids": [7] * 100})
         scores = answer.json()["decision"]["scores"]
         # nothing observed yet: the estimate is the seed, whatever the replica
-        assert [s["prefill_ms"] for s in scores] == [pytest.approx(40.0 + 0.5 * 100)] * 2
+        own = prefill_work(100, 0, RouterSettings().attention_tokens)
+        assert [s["prefill_ms"] for s in scores] == [pytest.approx(40.0 + 0.5 * own)] * 2
     for bad in ({"prefill_ms_per_token": 0.0}, {"prefill_floor_ms": -1.0}):
         with pytest.raises(ConfigError, match="prefill"):
             RouterSettings(**bad)  # type: ignore[arg-type]

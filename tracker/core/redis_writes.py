@@ -1,7 +1,8 @@
 """The shared index's write path: each replica's ledger, its changes written with APPLY.
 
 Each batch becomes one ``EVALSHA`` of :data:`tracker.core.lua.APPLY` (idempotent
-placements, engine-map updates and the sequence checkpoint, atomically). A tracker owns the
+placements, engine-map updates and the sequence checkpoint, atomically), or, past
+:data:`OPS_PER_CALL` changes, several in a row with the checkpoint in the last. A tracker owns the
 :class:`~tracker.core.ledger.ReplicaLedger` of the replicas it consumes, rebuilt from the
 persisted engine map after a restart; while Redis is unreachable the changes stay pending,
 flushed as soon as it answers again.
@@ -29,7 +30,10 @@ from tracker.framework.errors import FencedError, IndexUnavailableError
 
 logger = logging.getLogger(__name__)
 
-OPS_PER_CALL: Final = 8192
+# Redis runs one script at a time and nothing else meanwhile: an APPLY of 8,192 changes (an
+# engine's 100k-token prefill) held every router's lookup for up to 31 ms, one of 1,024 for
+# 12 ms (~12 µs a block on the benchmark host: Mooncake trace, SLOWLOG), one of 256 for ~3.
+OPS_PER_CALL: Final = 256
 _TIERS: Final = [bytes((t,)) for t in range(1 << schema.TIER_BITS)]
 _DELETE: Final = b"\x00" * (1 + schema.ENGINE_VALUE_BYTES)
 _NOT_WHOLE: Final = b"\x00" * schema.TIER_BITS
@@ -269,12 +273,15 @@ class RedisWriter:
                     b"".join(k.to_bytes(8, "big") for k in ends[window]),
                 ]
             )
-        if len(batches) == 1:
-            return [await redis_call("apply", self._apply(keys=declared[0], args=batches[0]))]
-        async with self.client.pipeline(transaction=True) as pipe:
-            for call_keys, args in zip(declared, batches, strict=True):
-                await self._apply(keys=call_keys, args=args, client=pipe)
-            return list(await redis_call("apply", pipe.execute()))
+        # One call at a time, so that the routers' lookups run between them (neither a
+        # transaction nor one pipeline lets them). Readers may see part of a batch meanwhile,
+        # as they see a prefill's batches one after another; the sequence checkpoint comes
+        # with the last call, so a failure halfway replays the whole batch (APPLY is
+        # idempotent).
+        statuses = []
+        for call_keys, args in zip(declared, batches, strict=True):
+            statuses.append(await redis_call("apply", self._apply(keys=call_keys, args=args)))
+        return statuses
 
     async def _resync(
         self, replica: str, namespace: Namespace, pending: _Pending, statuses: list[Any]

@@ -15,7 +15,16 @@ from router.decide.policy import decide
 from router.decide.policy_types import DEFAULT_SPEED, PolicyConfig, ReplicaState, SpeedEstimate
 from router.decide.scoring import score_replica
 
-CONFIG = PolicyConfig()
+# the linear terms' arithmetic; a long prompt's attention has tests of its own
+# (test_policy_attention.py)
+
+
+def linear(**changes: object) -> PolicyConfig:
+    """A policy whose prefill costs the same per token at any length."""
+    return PolicyConfig(attention_tokens=0.0, **changes)  # type: ignore[arg-type]
+
+
+CONFIG = linear()
 S = DEFAULT_SPEED.prefill_ms_per_token
 F = DEFAULT_SPEED.floor_ms
 
@@ -97,7 +106,7 @@ def test_score_breakdown(case: Case) -> None:
     active = max(state.inflight, (state.engine_running or 0) + (state.engine_waiting or 0))
     extra = (CONFIG.miss_weight - 1) * own_work + active * own_work
     assert score.score == pytest.approx(-(score.expected_ttft_ms + extra))
-    assert score_replica(prompt, state, PolicyConfig(miss_weight=1.0)).score == pytest.approx(
+    assert score_replica(prompt, state, linear(miss_weight=1.0)).score == pytest.approx(
         -(score.expected_ttft_ms + active * own_work)
     )
 
@@ -117,7 +126,7 @@ def test_cache_hit_wins_until_its_queue_costs_more_than_the_weighted_miss(
 ) -> None:
     """The crossover is where queued work on the warm replica equals ``miss_weight`` times
     the prefill it saves (1: pure expected TTFT); exactly so without the tie window."""
-    config = PolicyConfig(miss_weight=miss_weight, tie_ratio=0.0)
+    config = linear(miss_weight=miss_weight, tie_ratio=0.0)
     prompt, size = 4096, 16
     warm_blocks = (prompt - 1) // size
     saved = warm_blocks * size  # tokens the warm replica need not prefill
@@ -131,7 +140,7 @@ def test_cache_hit_wins_until_its_queue_costs_more_than_the_weighted_miss(
 
 def test_miss_weight_below_one_is_rejected() -> None:
     with pytest.raises(ValueError, match="miss_weight"):
-        PolicyConfig(miss_weight=0.5)
+        linear(miss_weight=0.5)
 
 
 def test_a_faster_replica_can_beat_a_cache_hit() -> None:
@@ -150,7 +159,7 @@ def test_gpu_hits_beat_offload_hits() -> None:
     gpu = ReplicaState("gpu", 60, 60)
     cpu = ReplicaState("cpu", 60, 0)
     assert decide(1024, [cpu, gpu], CONFIG, random.Random(0)).replica == "gpu"
-    free = PolicyConfig(offload_hit_cost=0.0)
+    free = linear(offload_hit_cost=0.0)
     scores = decide(1024, [cpu, gpu], free, random.Random(0)).scores
     assert scores[0].expected_ttft_ms == scores[1].expected_ttft_ms
 
@@ -177,7 +186,7 @@ def test_tie_epsilon() -> None:
         for _ in range(200)
     }
     assert apart == {"a"}
-    exact = PolicyConfig(tie_epsilon_ms=0.0, tie_ratio=0.0)
+    exact = linear(tie_epsilon_ms=0.0, tie_ratio=0.0)
     assert {
         decide(100, [ReplicaState("a"), ReplicaState("b", speed=close)], exact, rng).replica
         for _ in range(200)
@@ -209,7 +218,7 @@ def test_a_near_tie_goes_to_the_replica_holding_the_prompt() -> None:
     assert costs["idle"] < costs["home"] < costs["idle"] * (1 + CONFIG.tie_ratio)
     assert {decide(prompt, [home, idle], CONFIG, rng).replica for _ in range(50)} == {"home"}
     # strictly by the estimate, the idle replica is faster
-    strict = PolicyConfig(tie_ratio=0.0)
+    strict = linear(tie_ratio=0.0, tie_epsilon_ms=0.0)
     assert decide(prompt, [home, idle], strict, rng).replica == "idle"
     # a wait well beyond the estimate's error is not a tie
     queued = ReplicaState("home", 249, 249, inflight=2, queued_prefill_tokens=2 * prompt, **room)
@@ -220,24 +229,24 @@ def test_softmax_temperature_samples_by_score_difference() -> None:
     temperature = 10.0
     gap = temperature * math.log(3)  # the better replica should win 3 times as often
     states = [ReplicaState("best"), ReplicaState("worse", speed=SpeedEstimate(F + gap, S))]
-    config = PolicyConfig(temperature=temperature)
+    config = linear(temperature=temperature)
     rng = random.Random(3)
     picks = Counter(decide(100, states, config, rng).replica for _ in range(8000))
     assert picks["best"] / picks["worse"] == pytest.approx(3.0, rel=0.1)
 
 
 def test_linear_mode_is_the_card_formula() -> None:
-    config = PolicyConfig(mode="linear", hit_weight=2.0, load_weight=3.0)
+    config = linear(mode="linear", hit_weight=2.0, load_weight=3.0)
     state = ReplicaState("r", 10, 6, inflight=5)
     score = score_replica(1000, state, config)
     assert score.score == pytest.approx(2.0 * (6 + 0.7 * 4) - 3.0 * 5)
     assert score.expected_ttft_ms > 0  # still reported
     loaded = ReplicaState("loaded", 10, 10, inflight=4)
     idle = ReplicaState("idle", 0, 0, inflight=0)
-    card = PolicyConfig(mode="linear")
+    card = linear(mode="linear")
     assert decide(1000, [loaded, idle], card, random.Random(0)).replica == "loaded"  # 10-4 > 0
     assert decide(1000, [loaded, idle], config, random.Random(0)).replica == "loaded"  # 20-12 > 0
-    heavy = PolicyConfig(mode="linear", load_weight=3.0)
+    heavy = linear(mode="linear", load_weight=3.0)
     assert decide(1000, [loaded, idle], heavy, random.Random(0)).replica == "idle"  # 10-12 < 0
 
 
@@ -253,7 +262,7 @@ def test_no_candidates_and_bad_configs_are_errors() -> None:
         {"kv_high_watermark": 1.0},
     ):
         with pytest.raises(ValueError):
-            PolicyConfig(**bad)
+            linear(**bad)
 
 
 STATES = st.builds(
@@ -274,7 +283,7 @@ STATES = st.builds(
 
 @given(prompt=st.integers(0, 10_000), state=STATES, block=st.sampled_from([1, 16, 64]))
 def test_score_invariants(prompt: int, state: ReplicaState, block: int) -> None:
-    config = PolicyConfig(block_size=block)
+    config = linear(block_size=block)
     score = score_replica(prompt, state, config)
     assert score.matched_tokens % block == 0
     assert 0 <= score.matched_tokens <= max(0, prompt - 1)
@@ -315,7 +324,7 @@ def test_each_offload_tier_costs_its_own_share_of_a_recompute(
 ) -> None:
     """Four blocks of 16 tokens past the GPU-cached ones: loading them costs each tier's share
     of recomputing them (CPU 0.3, storage 0.75, remote 0.9 by default)."""
-    config = PolicyConfig(block_size=16)
+    config = linear(block_size=16)
     state = ReplicaState("a", matched_blocks=8, matched_gpu_blocks=4, **tiers)
     score = score_replica(16 * 10, state, config)
     assert score.gpu_cached_tokens == 64 and score.offload_cached_tokens == 64
@@ -326,7 +335,7 @@ def test_each_offload_tier_costs_its_own_share_of_a_recompute(
 def test_a_prompt_shorter_than_the_run_drops_its_slowest_tier_first() -> None:
     """The last block is recomputed (vLLM keeps at least one token to prefill), and the run's
     tail is its remote part: the CPU and storage blocks before it still load."""
-    config = PolicyConfig(block_size=16)
+    config = linear(block_size=16)
     state = ReplicaState(
         "a",
         matched_blocks=4,
@@ -340,7 +349,7 @@ def test_a_prompt_shorter_than_the_run_drops_its_slowest_tier_first() -> None:
 
 
 def test_an_engine_holding_the_prompt_in_cpu_memory_beats_one_holding_it_remotely() -> None:
-    config = PolicyConfig(block_size=16)
+    config = linear(block_size=16)
     cpu = ReplicaState("cpu", matched_blocks=300, matched_gpu_blocks=0)
     remote = ReplicaState("remote", matched_blocks=300, matched_remote_blocks=300)
     cold = ReplicaState("cold")
@@ -363,5 +372,5 @@ def test_decision_is_the_best_within_epsilon(
     assert len(decision.scores) == len(states)
     window = max(CONFIG.tie_epsilon_ms, CONFIG.tie_ratio * -best)
     assert any(s.replica == decision.replica and s.score >= best - window for s in decision.scores)
-    sampled = decide(prompt, states, PolicyConfig(temperature=5.0), random.Random(seed))
+    sampled = decide(prompt, states, linear(temperature=5.0), random.Random(seed))
     assert sampled.replica in {s.id for s in states}

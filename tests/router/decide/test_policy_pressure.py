@@ -12,6 +12,7 @@ from router.decide.policy_types import DEFAULT_SPEED, PolicyConfig, ReplicaState
 from router.decide.scoring import (
     eviction_share,
     fleet_of,
+    prefill_work,
     projected_kv_usage,
     relative_churn,
     score_replica,
@@ -21,7 +22,14 @@ CONFIG = PolicyConfig()
 PROMPT = 3200  # a 3,000-token system prompt and a question: 200 blocks of 16
 PREFIX = 187  # blocks of the shared system prompt
 CACHE = 700  # blocks per engine: four such prefixes do not fit
-COLD_MS = DEFAULT_SPEED.prefill_ms(PROMPT)
+
+
+def work(tokens: int, cached: int = 0) -> float:
+    """Prefill work of ``tokens`` after ``cached`` ones (a long prompt's attention counts)."""
+    return prefill_work(tokens, cached, CONFIG.attention_tokens)
+
+
+COLD_MS = DEFAULT_SPEED.prefill_ms(work(PROMPT))
 
 
 def full(name: str, **fields: object) -> ReplicaState:
@@ -276,7 +284,7 @@ def test_a_scrape_taken_while_the_last_request_ran_does_not_make_home_busy() -> 
     assert all(choose([full("other"), home], seed) == "home" for seed in range(20))
     outside = full("home", engine_running=3, engine_waiting=1, routed_at_scrape=1, inflight=1)
     own = score_replica(PROMPT, outside, CONFIG)
-    assert own.compute_ms == pytest.approx(DEFAULT_SPEED.prefill_ms_per_token * PROMPT * 4)
+    assert own.compute_ms == pytest.approx(DEFAULT_SPEED.prefill_ms_per_token * work(PROMPT) * 4)
 
 
 def test_a_session_stays_home_unless_another_engine_starts_it_sooner() -> None:
@@ -331,5 +339,5 @@ def test_a_new_session_goes_where_fewer_sessions_live() -> None:
     empty = ReplicaState("empty", **room)
     assert decide(18_000, [hosts, empty], CONFIG, random.Random(0)).replica == "empty"
     own = score_replica(18_000, hosts, CONFIG)
-    uncached = 18_000 - 180 * 16
-    assert own.compute_ms == pytest.approx(DEFAULT_SPEED.prefill_ms_per_token * uncached * 2)
+    own_work = work(18_000 - 180 * 16, 180 * 16)
+    assert own.compute_ms == pytest.approx(DEFAULT_SPEED.prefill_ms_per_token * own_work * 2)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from router.decide.tokenize import PromptTokenizer
+from router.decide.tokenize import FAST_INLINE_CHARS, INLINE_CHARS, PromptTokenizer
 from tests.router.trained_tokenizers import CORPUS
 from tracker.core.tokens import Tokenizer
 from tracker.framework.errors import TokenizationError
@@ -78,6 +78,37 @@ async def test_short_misses_are_encoded_inline_and_long_ones_in_the_executor(
         assert len(recorder.threads) == 2 and recorder.threads[1] != threading.get_ident()
     with pytest.raises(ValueError, match="inline_chars"):
         PromptTokenizer(tok, inline_chars=-1)
+
+
+class _CountingPool(ThreadPoolExecutor):
+    """A thread pool that counts the jobs it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.jobs = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        self.jobs += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+async def test_a_fast_encoder_encodes_a_long_prompt_inline() -> None:
+    """The builtin's exact byte encoder costs less than a worker thread's round trip up to
+    a ~16k-token prompt; the HF pipeline's threshold stays a question's length."""
+    builtin = Tokenizer.builtin()
+    with _CountingPool() as pool:
+        pt = PromptTokenizer(builtin, executor=pool)
+        assert pt.inline_chars == FAST_INLINE_CHARS
+        prompt = "lorem ipsum " * 1_200  # 14,400 characters, one token each
+        assert await pt.prompt(prompt) == builtin.prompt_token_ids(prompt)
+        assert pool.jobs == 0
+        longer = prompt * 2
+        assert await pt.prompt(longer) == builtin.prompt_token_ids(longer)
+        assert pool.jobs == 1
+
+
+def test_the_hf_pipeline_inlines_only_short_misses(tokenizers: dict[str, Tokenizer]) -> None:
+    assert PromptTokenizer(tokenizers["chatml-bpe"]).inline_chars == INLINE_CHARS
 
 
 async def test_a_cancelled_request_does_not_break_others_waiting_on_its_batch(
