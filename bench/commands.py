@@ -146,6 +146,9 @@ class BenchSettings(LogSettings):
     trace: str | None = setting(None, "trace: Mooncake JSONL file (default: the bundled sample)")
     speedup: float = setting(1.0, "trace: replay this many times faster than its timestamps")
     max_requests: int | None = setting(None, "trace: replay at most this many requests")
+    trace_from: int = setting(
+        0, "trace: skip this many requests first (another slice of the trace, its own clock)"
+    )
     agents_sessions: int = setting(AGENTS.sessions, "agents: sessions")
     agents_turns: int = setting(AGENTS.turns, "agents: turns per session")
     agents_preamble_tokens: int = setting(
@@ -228,6 +231,8 @@ class BenchSettings(LogSettings):
                 raise ConfigError(str(exc)) from None
         if self.restart_engine_at_s is not None and self.restart_engine_at_s < 0:
             raise ConfigError("restart-engine-at-s must be >= 0")
+        if self.trace_from < 0:
+            raise ConfigError("trace-from must be >= 0")
         if self.vllm is not None:
             if not Path(self.vllm).is_file():
                 raise ConfigError(f"vllm: no {self.vllm} (scripts/vllm-install installs it)")
@@ -293,7 +298,9 @@ def build_workload(settings: BenchSettings) -> Workload:
     path = Path(s.trace) if s.trace else DEFAULT_TRACE
     if not path.exists():
         raise ConfigError(f"trace file {path} does not exist")
-    return mooncake(path, speedup=s.speedup, max_requests=s.max_requests, seed=s.seed)
+    return mooncake(
+        path, speedup=s.speedup, max_requests=s.max_requests, seed=s.seed, skip=s.trace_from
+    )
 
 
 def plan(settings: BenchSettings) -> Plan:

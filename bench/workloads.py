@@ -244,12 +244,19 @@ def read_trace(path: Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def mooncake(path: Path, *, speedup: float, max_requests: int | None, seed: int) -> Workload:
-    """Replay ``path``: arrivals at ``timestamp / speedup``, one raw prompt per record."""
+def mooncake(
+    path: Path, *, speedup: float, max_requests: int | None, seed: int, skip: int = 0
+) -> Workload:
+    """Replay ``path``: arrivals at ``timestamp / speedup``, one raw prompt per record; from
+    record ``skip`` on (the first of them at time 0)."""
     if speedup <= 0:
         raise ValueError("speedup must be positive")
+    if skip < 0:
+        raise ValueError("skip must be >= 0")
     records: list[dict[str, Any]] = []
-    for record in read_trace(path):
+    for number, record in enumerate(read_trace(path)):
+        if number < skip:
+            continue
         if max_requests is not None and len(records) >= max_requests:
             break
         records.append(record)
@@ -273,6 +280,7 @@ def mooncake(path: Path, *, speedup: float, max_requests: int | None, seed: int)
         "requests": len(conversations),
         "speedup": speedup,
         "max_requests": max_requests,
+        **({"from": skip} if skip else {}),
     }
     return Workload("trace", tuple(conversations), params, timed=True)
 

@@ -83,6 +83,8 @@ AXIS_TITLES: Final = {
     "conversation": "conversation traffic",
     "agents": "coding agents: 8 sessions of 18k-39k-token prompts, subagent bursts after turn 6 "
     "(4 engines, time scale 2)",
+    "trace": "Mooncake's conversation trace, its first 600 requests at 1x, 2x and 4x its speed "
+    "(1k-121k-token prompts; 8 engines of 32,768 blocks, time scale 1)",
 }
 
 

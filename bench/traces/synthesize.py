@@ -31,11 +31,12 @@ and the growing history of a session):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 BLOCK = 512
 DEFAULT_OUT = Path(__file__).with_name("synthetic_mooncake_sample.jsonl")
@@ -128,6 +129,72 @@ def conversations(
     return [r for r in records if r["timestamp"] <= horizon * 1000][:requests]
 
 
+# Quantiles of Mooncake's conversation trace (FAST25-release/traces/conversation_trace.jsonl,
+# all 12,031 requests), (quantile, tokens): what --profile mooncake draws new sessions from.
+MOONCAKE_INPUT: Final = (
+    (0.0, 891), (0.1, 964), (0.2, 1662), (0.3, 3263), (0.4, 4993), (0.5, 6909),
+    (0.6, 9570), (0.7, 13196), (0.8, 17869), (0.9, 27367), (0.95, 39549), (0.97, 52215),
+    (0.99, 85399), (0.995, 100381), (1.0, 126195),
+)  # fmt: skip
+MOONCAKE_OUTPUT: Final = (
+    (0.0, 1), (0.1, 24), (0.2, 100), (0.3, 213), (0.4, 291), (0.5, 350), (0.6, 399),
+    (0.7, 447), (0.8, 504), (0.9, 597), (0.95, 698), (0.99, 1115), (1.0, 2000),
+)  # fmt: skip
+
+
+def _quantile(table: tuple[tuple[float, int], ...], u: float) -> int:
+    """The value at quantile ``u`` of ``table``, log-linear between its points."""
+    for (q0, v0), (q1, v1) in itertools.pairwise(table):
+        if u <= q1:
+            share = (u - q0) / (q1 - q0) if q1 > q0 else 0.0
+            return round(math.exp(math.log(v0) + share * (math.log(v1) - math.log(v0))))
+    return table[-1][1]
+
+
+def mooncake_like(
+    *, requests: int = 1200, continue_share: float = 0.385, seed: int = 2027
+) -> list[dict[str, Any]]:
+    """A trace shaped like Mooncake's conversation trace, for when it cannot be downloaded
+    (``scripts/fetch-trace``): the same bursts (every 3 s, ~10 requests each), every prompt
+    opening with the same 512-token block, ``continue_share`` of the requests continuing an
+    earlier one (its whole prompt plus 1-4 new blocks), the others new sessions whose lengths
+    and every output follow the real trace's quantiles (:data:`MOONCAKE_INPUT`)."""
+    rng = random.Random(seed)
+    next_id = 1  # id 0: the block every prompt opens with
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    open_sessions: list[list[int]] = []
+    records: list[dict[str, Any]] = []
+    at = 0
+    while len(records) < requests:
+        size = max(1, round(rng.gauss(10, 3)))
+        for _ in range(min(size, requests - len(records))):
+            if open_sessions and rng.random() < continue_share:
+                index = rng.randrange(len(open_sessions))
+                full = open_sessions[index] + fresh(rng.randint(1, 4))
+                open_sessions[index] = full
+            else:
+                tokens = _quantile(MOONCAKE_INPUT, rng.random())
+                full = [0, *fresh(max(0, math.ceil(tokens / BLOCK) - 2))]
+                open_sessions.append(full)
+                open_sessions = open_sessions[-300:]
+            records.append(
+                {
+                    "timestamp": at,
+                    "input_length": len(full) * BLOCK + rng.randint(1, BLOCK - 1),
+                    "output_length": _quantile(MOONCAKE_OUTPUT, rng.random()),
+                    "hash_ids": [*full, *fresh(1)],
+                }
+            )
+        at += 3000
+    return records
+
+
 def describe(records: list[dict[str, Any]]) -> str:
     """Median and mean prompt, mean output, rate and the share of blocks seen before."""
     lengths = sorted(int(r["input_length"]) for r in records)
@@ -148,17 +215,23 @@ def describe(records: list[dict[str, Any]]) -> str:
 
 
 CONVERSATION_OUT = Path(__file__).with_name("synthetic_conversation.jsonl")
+MOONCAKE_OUT = Path(__file__).with_name("synthetic_mooncake_conversation.jsonl")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--profile", choices=("sample", "conversation"), default="sample")
+    parser.add_argument(
+        "--profile", choices=("sample", "conversation", "mooncake"), default="sample"
+    )
     parser.add_argument("--out", type=Path, help="default: the bundled file of the profile")
     parser.add_argument("--seed", type=int, help="default: the bundled file's")
     parser.add_argument("--requests", type=int, default=600, help="conversation: records")
     parser.add_argument("--rate", type=float, default=3.0, help="conversation: req/s")
     args = parser.parse_args()
-    if args.profile == "conversation":
+    if args.profile == "mooncake":
+        records = mooncake_like(seed=2027 if args.seed is None else args.seed)
+        out = args.out or MOONCAKE_OUT
+    elif args.profile == "conversation":
         records = conversations(
             requests=args.requests, rate=args.rate, seed=2026 if args.seed is None else args.seed
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.commands import BenchSettings, plan
-from bench.matrix.cells import AXES, Cell, cells
+from bench.matrix.cells import AXES, MOONCAKE_LIKE, Cell, cells, mooncake_trace
 from bench.matrix.commands import MatrixSettings, load_verdicts, result_path
 from bench.matrix.report import (
     SECTION_BEGIN,
@@ -67,6 +68,7 @@ def test_every_axis_has_cells_that_bench_accepts() -> None:
     assert cache_700.digest == routers[0].digest
     # the light cells, where every router keeps its groups home, pool three seeds
     pooled = {(c.axis, c.label) for c in matrix if c.seeds == 3}
+    assert [c.settings["speedup"] for c in matrix if c.axis == "trace"] == [1.0, 2.0, 4.0]
     assert pooled == {
         ("cache", "4096 roomy"),
         ("cache", "1024"),
@@ -100,6 +102,28 @@ def test_the_agents_axis_varies_one_thing_a_cell_with_the_same_session_starts() 
     one, many = ([c.start_s for c in p.workload.conversations] for p in plans)
     assert len(one) == len(many) == 8 and many[-1] > 2 * one[-1]
     assert all(p.shape.longest_request < 3072 * 16 for p in plans)  # fits the pressure cell
+
+
+def test_the_trace_axis_replays_mooncake_at_three_speeds_or_its_likeness(
+    tmp_path: Path,
+) -> None:
+    matrix = cells(("trace",))
+    assert [c.settings["speedup"] for c in matrix] == [1.0, 2.0, 4.0]
+    assert {c.settings["trace"] for c in matrix} == {mooncake_trace()[0]}
+    # a fresh clone has no downloaded trace: the generated one, labelled so
+    assert mooncake_trace(tmp_path) == (MOONCAKE_LIKE, False)
+    (tmp_path / "bench/traces/data").mkdir(parents=True)
+    (tmp_path / "bench/traces/data/conversation_trace.jsonl").write_text("{}\n")
+    assert mooncake_trace(tmp_path)[1]
+    generated = BenchSettings(**{**matrix[0].settings, "trace": MOONCAKE_LIKE})
+    chosen = plan(generated)
+    assert chosen.workload.requests == 600 and chosen.fleet.replicas == 8
+    starts = sorted({c.start_s for c in chosen.workload.conversations})
+    assert starts[:3] == [0.0, 3.0, 6.0]  # bursts every 3 s, as the real trace's
+    # another slice of it has its own clock
+    later = plan(dataclasses.replace(generated, trace_from=600))
+    assert later.workload.conversations[0].start_s == 0.0
+    assert later.workload.params["from"] == 600
 
 
 def test_verdict_against_the_best_peer_per_metric() -> None:

@@ -133,6 +133,13 @@ def test_mooncake_replay_keeps_timestamps_with_speedup_and_cap(tmp_path: Path) -
     assert (len(first.user), len(second.user)) == (1024, 700)
     assert first.user[:512] == second.user[:512] and first.user[512:] != second.user[512:700]
     assert all(c.raw for c in workload.conversations)
+    # another slice: from the second record on, its own clock starting at 0
+    later = mooncake(path, speedup=1.0, max_requests=5, seed=0, skip=1)
+    assert [c.start_s for c in later.conversations] == [0.0, 2.0]
+    assert later.conversations[0].turns[0].user == second.user
+    assert later.params["from"] == 1
+    with pytest.raises(ValueError, match="skip"):
+        mooncake(path, speedup=1.0, max_requests=None, seed=0, skip=-1)
     path.write_text('{"timestamp": 1}\n')
     with pytest.raises(ValueError, match="input_length"):
         mooncake(path, speedup=1.0, max_requests=None, seed=0)
