@@ -72,8 +72,8 @@ def prefill_work(tokens: float, context: float, attention_tokens: float) -> floa
 
 def _queued_tokens(state: ReplicaState, config: PolicyConfig) -> float:
     """Prefill work ahead of a new request (:func:`prefill_work` units): every router's
-    queue, less what the engine has done of it since the oldest pending request was sent,
-    plus unseen waiting ones."""
+    queue, less what the engine has done of it since it started on it
+    (``prefill_elapsed_ms``), plus unseen waiting ones."""
     unseen = max(0, (state.engine_waiting or 0) - state.inflight) * config.unseen_request_tokens
     done = max(0.0, state.prefill_elapsed_ms) / state.speed.prefill_ms_per_token
     return max(0.0, state.queued_prefill_tokens - done) + unseen

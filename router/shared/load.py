@@ -1,8 +1,9 @@
 """In-flight load per replica: leases, the load they add up to, and this process's board.
 
-A :class:`Lease` is one dispatched request: it counts one request in flight, and its uncached
-prompt tokens as queued prefill work until :meth:`Lease.first_token`; nothing after
-:meth:`Lease.release`. Boards add leases up per (index partition, replica): a
+A :class:`Lease` is one dispatched request: it counts one request in flight, and its prefill
+work (its uncached prompt tokens, a long prompt's counting more) as queued until
+:meth:`Lease.first_token`; nothing after :meth:`Lease.release`. Boards add leases up per
+(index partition, replica): a
 :class:`LocalLoadBoard` keeps this process's own, :class:`router.shared.redis_load.RedisLoadBoard`
 shares them with every other router.
 """
@@ -115,7 +116,7 @@ class LoadBoard(Protocol):
     """Where routers record what they dispatched and read what every router dispatched."""
 
     def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
-        """Count a request just sent to ``replica`` with ``prefill_tokens`` uncached tokens."""
+        """Count a request just sent to ``replica`` with ``prefill_tokens`` of prefill work."""
 
     async def snapshot(self, namespace: Namespace) -> dict[str, Load]:
         """Every router's load per replica (replicas without load are absent)."""
@@ -163,7 +164,9 @@ class LoadTotals:
     def acquire(self, namespace: Namespace, replica: str, prefill_tokens: int) -> Lease:
         """Count a request just sent to ``replica``; release the returned lease when done.
 
-        :param prefill_tokens: the request's uncached prompt tokens (its prefill work).
+        :param prefill_tokens: the request's prefill work, in the tokens of a short prompt
+            (:func:`router.decide.scoring.prefill_work`: its uncached tokens, a long
+            prompt's counting more).
         """
         if prefill_tokens < 0:
             raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
@@ -189,8 +192,8 @@ class LoadTotals:
         on ``replica``: when the oldest of them was sent, or when the last request before
         them stopped prefilling, whichever is later. None: none is prefilling.
 
-        The engine spent the time before on that request: counted from the oldest send, a
-        120k-token prefill that had waited 8 s behind an 82k one looked 8 s done when it
+        The engine spent the time before on that request: counted from the oldest send, an
+        87k-token prefill that had waited 8 s behind a 120k one looked 8 s done when it
         started, and a short prompt was placed behind the 5 s it still had to go.
         """
         key = (namespace, replica)
