@@ -1,7 +1,8 @@
 """The load board every router shares through expiring Redis entries.
 
-Each router writes its own totals per replica (requests in flight, queued prefill tokens, when
-its oldest request there still prefilling was sent) into the partition's ``load`` hash, pushed
+Each router writes its own totals per replica (requests in flight, queued prefill work, since
+when the engine has worked on its requests there still prefilling) into the partition's
+``load`` hash, pushed
 in the background a moment after they change and renewed every second; readers sum the
 others' unexpired entries with their own exact totals. A router alone in a partition writes
 only with the renewal; a router with its own index reads the others' load in the background
@@ -320,11 +321,11 @@ class RedisLoadBoard:
     def merge(
         self, namespace: Namespace, others: Mapping[str, tuple[int, int, int]]
     ) -> dict[str, Load]:
-        """Every router's load: the other routers' (in flight, queued prefill tokens, age ms of
-        the oldest still prefilling) per replica, read from Redis (:meth:`snapshot`, or an
-        index survey that read the load hash with its lookup), plus this router's own. Key ""
-        says another router is there (module docstring: a router alone writes its changes
-        once a second)."""
+        """Every router's load: the other routers' (in flight, queued prefill work, ms since
+        the engine started on what is still prefilling) per replica, read from Redis
+        (:meth:`snapshot`, or an index survey that read the load hash with its lookup), plus
+        this router's own. Key "" says another router is there (module docstring: a router
+        alone writes its changes once a second)."""
         base = namespace.base()
         self._observed(base, others)
         return self._combine(base, others, time.monotonic())
