@@ -217,10 +217,5 @@ def ttft_floors(workload: Workload, engine: EngineShape, tokenizer: Tokenizer) -
                 break
             cached += size
         seen.update(p.chain)
-        ms, done = 0.0, cached
-        while done < p.tokens:
-            chunk = min(max_num_batched_tokens, p.tokens - done)
-            ms += profile.step_ms([(chunk, done)], [])
-            done += chunk
-        out.append(ms)
+        out.append(profile.lone_prefill_ms(p.tokens, max_num_batched_tokens, cached))
     return out

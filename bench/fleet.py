@@ -34,12 +34,7 @@ def lone_prefill_speed(
     tail (the step floor)."""
 
     def lone_ms(tokens: int) -> float:
-        done, total = 0, 0.0
-        while done < tokens:
-            chunk = min(max_num_batched_tokens, tokens - done)
-            total += profile.step_ms([(chunk, done)], [])
-            done += chunk
-        return total * time_scale
+        return profile.lone_prefill_ms(tokens, max_num_batched_tokens) * time_scale
 
     def work(tokens: int) -> float:
         return prefill_work(tokens, 0, attention_tokens(profile))

@@ -85,6 +85,16 @@ class LatencyProfile:
             floor *= self.prefill_floor_at(max(context for _, context in prefill))
         return max(floor, compute) + self.kv_ms_per_token * kv_tokens
 
+    def lone_prefill_ms(self, tokens: int, max_num_batched_tokens: int, cached: int = 0) -> float:
+        """A lone prompt's prefill on an idle engine: its ``tokens - cached`` uncached tokens
+        in chunks of ``max_num_batched_tokens``, one step each, nothing else in the batch."""
+        ms, done = 0.0, cached
+        while done < tokens:
+            chunk = min(max_num_batched_tokens, tokens - done)
+            ms += self.step_ms([(chunk, done)], [])
+            done += chunk
+        return ms
+
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting (the systems here are 2x2 and 3x3)."""

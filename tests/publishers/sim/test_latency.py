@@ -102,3 +102,16 @@ def test_monotone_in_work() -> None:
     # extrapolating the prefill floor past the table keeps growing, never negative
     assert profile.prefill_floor_at(64_000) >= profile.prefill_floor_at(16_304)
     assert all(math.isfinite(profile.step_ms([(16, c)], [])) for c in (0, 1, 100_000))
+
+
+def test_a_lone_prefill_is_its_chunks_one_step_each() -> None:
+    profile = PROFILES["llama-8b"]
+    chunks = [(8192, 0), (8192, 8192), (3616, 16384)]
+    assert profile.lone_prefill_ms(20_000, 8192) == pytest.approx(
+        sum(profile.step_ms([chunk], []) for chunk in chunks)
+    )
+    # a cached prefix is context, not work; a fully cached prompt costs nothing more
+    assert profile.lone_prefill_ms(20_000, 8192, cached=16_384) == pytest.approx(
+        profile.step_ms([(3616, 16384)], [])
+    )
+    assert profile.lone_prefill_ms(1_000, 8192, cached=1_000) == 0.0

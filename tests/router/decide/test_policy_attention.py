@@ -39,11 +39,7 @@ def test_the_estimate_of_a_long_prefill_matches_the_simulated_engine() -> None:
     takes (a line through short prompts said 37 % of it)."""
     profile = load_profile("llama-8b")
     speed = lone_prefill_speed(profile, 8192)
-    done, engine_ms = 0, 0.0
-    while done < LONG:
-        chunk = min(8192, LONG - done)
-        engine_ms += profile.step_ms([(chunk, done)], [])
-        done += chunk
+    engine_ms = profile.lone_prefill_ms(LONG, 8192)
     config = PolicyConfig(attention_tokens=attention_tokens(profile))
     state = ReplicaState("r", speed=speed)
     assert score_replica(LONG, state, config).expected_ttft_ms == pytest.approx(engine_ms, 0.05)
