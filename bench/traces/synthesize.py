@@ -42,18 +42,24 @@ BLOCK = 512
 DEFAULT_OUT = Path(__file__).with_name("synthetic_mooncake_sample.jsonl")
 
 
+class _FreshIds:
+    """Hash ids no record has used yet, counting up from ``start``."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._next = start
+
+    def __call__(self, n: int) -> list[int]:
+        ids = list(range(self._next, self._next + n))
+        self._next += n
+        return ids
+
+
 def synthesize(
     *, sessions: int = 160, apps: int = 8, rate: float = 2.0, seed: int = 2025
 ) -> list[dict[str, Any]]:
     """The trace's records, ordered by timestamp."""
     rng = random.Random(seed)
-    next_id = 0
-
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + n))
-        next_id += n
-        return ids
+    fresh = _FreshIds()
 
     prompts = [fresh(rng.randint(2, 8)) for _ in range(apps)]
     weights = [1.0 / (i + 1) for i in range(apps)]
@@ -86,13 +92,7 @@ def conversations(
 ) -> list[dict[str, Any]]:
     """A conversation-shaped trace of ``requests`` records at about ``rate`` per second."""
     rng = random.Random(seed)
-    next_id = 0
-
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + n))
-        next_id += n
-        return ids
+    fresh = _FreshIds()
 
     prompts = [fresh(rng.randint(1, 4)) for _ in range(apps)]
     weights = [1.0 / (i + 1) for i in range(apps)]
@@ -160,13 +160,7 @@ def mooncake_like(
     earlier one (its whole prompt plus 1-4 new blocks), the others new sessions whose lengths
     and every output follow the real trace's quantiles (:data:`MOONCAKE_INPUT`)."""
     rng = random.Random(seed)
-    next_id = 1  # id 0: the block every prompt opens with
-
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + n))
-        next_id += n
-        return ids
+    fresh = _FreshIds(1)  # id 0: the block every prompt opens with
 
     open_sessions: list[list[int]] = []
     records: list[dict[str, Any]] = []
