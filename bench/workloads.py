@@ -10,6 +10,7 @@ tokenizer, one character a token. Shapes and defaults: docs/benchmarks.md, "Work
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 import string
@@ -253,13 +254,8 @@ def mooncake(
         raise ValueError("speedup must be positive")
     if skip < 0:
         raise ValueError("skip must be >= 0")
-    records: list[dict[str, Any]] = []
-    for number, record in enumerate(read_trace(path)):
-        if number < skip:
-            continue
-        if max_requests is not None and len(records) >= max_requests:
-            break
-        records.append(record)
+    stop = None if max_requests is None else skip + max(0, max_requests)
+    records = list(itertools.islice(read_trace(path), skip, stop))
     first = min((int(r["timestamp"]) for r in records), default=0)
     conversations = []
     for i, record in enumerate(sorted(records, key=lambda r: int(r["timestamp"]))):
