@@ -19,12 +19,6 @@ from router.decide.scoring import prefill_work
 BENCH_ROUTER_ARGS: Final = ("--lookup-timeout-ms", "100", "--connect-timeout-s", "10")
 
 
-def attention_tokens(profile: LatencyProfile) -> float:
-    """The context length at which a token's attention costs as much as the rest of its
-    forward pass on ``profile``'s engines (the routers' ``--attention-tokens``)."""
-    return profile.token_ms / profile.attention_ms if profile.attention_ms > 0 else 0.0
-
-
 def lone_prefill_speed(
     profile: LatencyProfile, max_num_batched_tokens: int, time_scale: float = 1.0
 ) -> SpeedEstimate:
@@ -37,7 +31,7 @@ def lone_prefill_speed(
         return profile.lone_prefill_ms(tokens, max_num_batched_tokens) * time_scale
 
     def work(tokens: int) -> float:
-        return prefill_work(tokens, 0, attention_tokens(profile))
+        return prefill_work(tokens, 0, profile.attention_tokens)
 
     short, long = 1024, 8192
     slope = (lone_ms(long) - lone_ms(short)) / (work(long) - work(short))
@@ -84,7 +78,7 @@ class FleetConfig(EngineShape):
         policy = PolicyConfig()
         return (
             "--attention-tokens",
-            f"{attention_tokens(profile):.0f}",
+            f"{profile.attention_tokens:.0f}",
             "--prefill-floor-ms",
             f"{speed.floor_ms:.3f}",
             "--prefill-ms-per-token",

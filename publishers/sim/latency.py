@@ -85,6 +85,12 @@ class LatencyProfile:
             floor *= self.prefill_floor_at(max(context for _, context in prefill))
         return max(floor, compute) + self.kv_ms_per_token * kv_tokens
 
+    @property
+    def attention_tokens(self) -> float:
+        """The context length at which a token's attention costs as much as the rest of its
+        forward pass (the routers' ``--attention-tokens``); 0 without an attention term."""
+        return self.token_ms / self.attention_ms if self.attention_ms > 0 else 0.0
+
     def lone_prefill_ms(self, tokens: int, max_num_batched_tokens: int, cached: int = 0) -> float:
         """A lone prompt's prefill on an idle engine: its ``tokens - cached`` uncached tokens
         in chunks of ``max_num_batched_tokens``, one step each, nothing else in the batch."""

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from bench.fleet import attention_tokens, lone_prefill_speed
+from bench.fleet import lone_prefill_speed
 from publishers.sim.latency import load_profile
 from router.decide.policy import decide
 from router.decide.policy_types import DEFAULT_SPEED, PolicyConfig, ReplicaState
@@ -40,7 +40,7 @@ def test_the_estimate_of_a_long_prefill_matches_the_simulated_engine() -> None:
     profile = load_profile("llama-8b")
     speed = lone_prefill_speed(profile, 8192)
     engine_ms = profile.lone_prefill_ms(LONG, 8192)
-    config = PolicyConfig(attention_tokens=attention_tokens(profile))
+    config = PolicyConfig(attention_tokens=profile.attention_tokens)
     state = ReplicaState("r", speed=speed)
     assert score_replica(LONG, state, config).expected_ttft_ms == pytest.approx(engine_ms, 0.05)
     linear = score_replica(LONG, state, PolicyConfig(attention_tokens=0.0)).expected_ttft_ms
