@@ -34,6 +34,7 @@ LATENCY_BUCKETS: Final = (
 STAGE_BUCKETS: Final = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
+RETURN_BUCKETS: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RATIO_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 WARN_EVERY_S: Final = 60.0
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
@@ -131,6 +132,12 @@ class RouterMetrics:
             "Share of each routed prompt predicted to be cached on the chosen replica",
             registry=registry,
             buckets=RATIO_BUCKETS,
+        )
+        self.return_gap = Histogram(
+            "kvrouter_router_return_gap_seconds",
+            "Time from a request's finish to the arrival of the request continuing its prompt",
+            registry=registry,
+            buckets=RETURN_BUCKETS,
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens routed", ("replica",))
         self.predicted_cached = counter(

@@ -30,6 +30,7 @@ from router.decide.placement import Placement
 from router.decide.policy import decide
 from router.decide.policy_types import PolicyConfig, ReplicaState
 from router.decide.request import PromptRequest
+from router.decide.returns import ReturnBook
 from router.decide.reuse import ReuseBook
 from router.decide.tokenize import TokenizerBook
 from router.errors import BadRequestError, ModelNotFoundError, NoReplicaError, OverloadedError
@@ -85,6 +86,7 @@ class Decider:
         self.reuse = ReuseBook(window) if window > 0 else None
         half_life = settings.recent_load_half_life_s
         self.occupancy = OccupancyBook(half_life) if half_life > 0 else None
+        self.returns = ReturnBook()
         self._mixed: set[str] = set()
         self._policies: dict[int, PolicyConfig] = {}
         # per (model, block size): the lookahead tokens the engines hash, as the index said
@@ -235,9 +237,11 @@ class Decider:
 
     def _observe(self, placement: Placement, view: SharedView) -> None:
         """A decision's stage times and session outcome in the metrics, its inputs in the
-        journal."""
+        journal; the request in the return book (does it continue one that finished?)."""
         for stage, seconds in placement.stages.items():
             self.metrics.decision.labels(stage).observe(seconds)
+        for gap in self.returns.arrived(placement.keys):
+            self.metrics.return_gap.observe(gap)
         if placement.session is not None:
             outcome = _session_outcome(view, placement.decision.replica)
             self.metrics.sessions.labels(outcome).inc()
@@ -304,6 +308,7 @@ class Decider:
                     recent_inflight=(
                         self.occupancy.observe(replica.id, inflight) if self.occupancy else 0.0
                     ),
+                    returns=self.returns.share,
                     prefixes=self.reuse.prefixes(replica.id) if self.reuse else 0,
                     sessions=view.sessions.get(replica.id, 0),
                     prefill_elapsed_ms=(
@@ -449,6 +454,7 @@ class Decider:
             )
         if outcome == "ok":
             self.replicas.succeeded(replica)
+            self.returns.finished(placement.keys)
 
     def _close(self, attempt: Attempt) -> bool:
         """Release the attempt's lease once; False if it was already closed."""

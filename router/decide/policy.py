@@ -69,7 +69,7 @@ def decide(
     """
     if not candidates:
         raise ValueError("no candidate replicas to choose from")
-    fleet = fleet_of(candidates, config)
+    fleet = fleet_of(candidates, config, prompt_tokens)
     scores = tuple(
         score_replica(prompt_tokens, state, config, output_tokens, fleet) for state in candidates
     )

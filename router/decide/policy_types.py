@@ -9,6 +9,7 @@ work on these; the decider builds the states, the proxy and the journal read the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -65,6 +66,9 @@ class ReplicaState:
     :param recent_inflight: the routers' requests in flight on it over the last seconds
         (:class:`router.decide.occupancy.OccupancyBook`): the load a prefill there will meet even
         when the requests of the moment have just finished.
+    :param returns: the part of the requests in flight that come back bound here within a
+        window of so many ms of their finish (:meth:`router.decide.returns.ReturnBook.share`):
+        those a prefill here delays. None: all of them.
     :param prefill_elapsed_ms: how long the engine has been working on the requests there
         that have not produced their first token (through any router; since the oldest was
         sent or the one before them stopped prefilling,
@@ -94,6 +98,7 @@ class ReplicaState:
     routed_at_scrape: int | None = None
     valued_blocks: int | None = None
     recent_inflight: float = 0.0
+    returns: Callable[[float], float] | None = None
     prefill_elapsed_ms: float = 0.0
     matched_storage_blocks: int = 0
     matched_remote_blocks: int = 0

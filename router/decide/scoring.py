@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from router.decide.policy_types import PolicyConfig, ReplicaState, Score
 
@@ -27,18 +27,47 @@ class Fleet:
     :param busy: requests in flight per candidate, on average: the compute a miss spends
         delays that many others (running ones share its engine steps, queued ones wait for
         it), and on a busy fleet an idle engine does not stay idle.
+    :param least_work: the least prefill work the prompt needs on any candidate (where most
+        of it is cached): what a copy elsewhere does beyond it is work no placement needed.
     """
 
     home_tokens: float = 0.0
     busy: float = 0.0
+    least_work: float = 0.0
 
 
-def fleet_of(candidates: Sequence[ReplicaState], config: PolicyConfig) -> Fleet:
-    """The :class:`Fleet` facts of one decision."""
+def fleet_of(
+    candidates: Sequence[ReplicaState], config: PolicyConfig, prompt_tokens: int = 0
+) -> Fleet:
+    """The :class:`Fleet` facts of one decision (``prompt_tokens``: the prompt's length, for
+    ``least_work``)."""
     home = max((s.home_blocks for s in candidates), default=0.0) * config.block_size
     active = [active_requests(s) for s in candidates]
     busy = sum(active) / len(active) if active else 0.0
-    return Fleet(home_tokens=home, busy=busy)
+    least = min((_work(prompt_tokens, s, config).own for s in candidates), default=0.0)
+    return Fleet(home_tokens=home, busy=busy, least_work=least)
+
+
+class _Work(NamedTuple):
+    """What a prompt needs on one replica: the blocks it reuses and the work left."""
+
+    usable: int  # blocks of the prompt cached there, and reusable
+    gpu: int  # tokens cached in GPU memory
+    offload: int  # tokens cached in an offload tier
+    loading: float  # the offloaded tokens' loading, in prefill tokens
+    uncached: int  # tokens to prefill
+    own: float  # prefill work (:func:`prefill_work` units), loading included
+
+
+def _work(prompt_tokens: int, state: ReplicaState, config: PolicyConfig) -> _Work:
+    size = config.block_size
+    usable = max(0, min(state.matched_blocks, (prompt_tokens - 1) // size))
+    gpu = max(0, min(state.matched_gpu_blocks, usable)) * size
+    offload = usable * size - gpu
+    loading = _loading_tokens(state, offload // size, config) * size
+    uncached = max(0, prompt_tokens - usable * size)
+    own = prefill_work(uncached, usable * size, config.attention_tokens) + loading
+    return _Work(usable, gpu, offload, loading, uncached, own)
 
 
 def active_requests(state: ReplicaState) -> int:
@@ -93,11 +122,7 @@ def score_replica(
     """
     fleet = fleet or Fleet()
     size = config.block_size
-    usable = max(0, min(state.matched_blocks, (prompt_tokens - 1) // size))
-    gpu = max(0, min(state.matched_gpu_blocks, usable)) * size
-    offload = usable * size - gpu
-    loading = _loading_tokens(state, offload // size, config) * size
-    uncached = max(0, prompt_tokens - usable * size)
+    usable, gpu, offload, loading, uncached, own_work = _work(prompt_tokens, state, config)
     speed = state.speed
 
     queued = _queued_tokens(state, config)
@@ -109,16 +134,18 @@ def score_replica(
         queue_ms += config.kv_full_penalty_ms * excess / (1.0 - config.kv_high_watermark)
 
     own_tokens = uncached + loading
-    own_work = prefill_work(uncached, usable * size, config.attention_tokens) + loading
     prefill_ms = speed.prefill_ms(own_work)
     ttft = queue_ms + prefill_ms
     share = eviction_share(state, (uncached + offload) / size)  # offload hits load into GPU
     regret = share * relative_churn(state)
     compute = evict = split = 0.0
     if config.mode == "ttft":
-        # What a miss costs beyond its own TTFT. Its compute delays the requests in flight
-        # beside it. The blocks it writes push cached ones out (nothing while the cache has
-        # room; worse where the cache turns over fastest: the blocks pushed out are young). And
+        # What a miss costs beyond its own TTFT. Its compute delays the requests bound to the
+        # engine that arrive before it ends: the part of those in flight there that come back
+        # within its wait and prefill (a subagent's next call: most; a chat's next turn, a
+        # minute later: few), and the sessions living there between turns. The blocks it
+        # writes push cached ones out (nothing while the cache has room; worse where the
+        # cache turns over fastest: the blocks pushed out are young). And
         # leaving a prefix's home splits its group (the home will likely get it again): that
         # costs the home's claim over again wherever the cache is full, churn or not, even
         # where the blocks are cached too (a copy left by outside traffic, or by an earlier
@@ -126,7 +153,13 @@ def score_replica(
         claimed = min(state.home_blocks * size, prompt_tokens)
         split = max(0.0, min(fleet.home_tokens, prompt_tokens) - claimed)
         s = speed.prefill_ms_per_token
-        compute = s * own_work * max(active, share * state.recent_inflight, state.sessions)
+        # The work any placement needs is charged to what comes back within it; the work
+        # this one adds over the cheapest (a copy of a prefix cached elsewhere), to every
+        # request in flight there: capacity no placement needed, taken from them.
+        back = state.returns(ttft) if state.returns is not None else 1.0
+        count = max(active * back, share * state.recent_inflight, state.sessions)
+        least = min(fleet.least_work, own_work)
+        compute = s * (least * count + (own_work - least) * max(count, active))
         weight = (config.miss_weight - 1.0) * s * (1.0 + fleet.busy)
         evict = weight * (own_tokens * regret + split * share)
         value = -(ttft + compute + evict)

@@ -7,6 +7,7 @@ import pytest
 
 from router.decide.reuse import ReuseBook
 from router.http.proxy import REPLICA_HEADER
+from router.metrics import RouterMetrics
 from tests.clock import ManualClock
 from tests.router.harness import SYSTEM, base_url, chat, engines, router
 
@@ -87,3 +88,36 @@ async def test_a_routed_request_counts_its_whole_chain_where_it_was_sent() -> No
         again = await client.post("/v1/chat/completions", json=chat(SYSTEM, "a"))
         assert again.headers[REPLICA_HEADER] == chosen
         assert book.valued(chosen, resident=0) == blocks  # the deepest run of one chain
+
+
+async def test_a_conversations_next_turn_is_measured_as_its_return_gap() -> None:
+    """The router links a turn to the one before it by the marks of its prompt and exports the
+    gap; a prompt that shares none of it links nothing."""
+    long_system = SYSTEM * 12  # ~2k tokens: marks in the prompt's last quarter
+    async with (
+        engines(1) as fleet,
+        router(replica=fleet.specs) as service,
+        httpx.AsyncClient(base_url=base_url(service), timeout=20) as client,
+    ):
+        metrics = service.router.decider.metrics
+        first = chat(long_system, "Tell me about the first topic in some detail, please.")
+        answer = await client.post("/v1/chat/completions", json=first)
+        assert answer.status_code == 200
+        reply = answer.json()["choices"][0]["message"]["content"]
+        other = chat("Answer tersely. " * 150, "Something unrelated.")
+        assert (await client.post("/v1/chat/completions", json=other)).status_code == 200
+        assert _return_gaps(metrics)["kvrouter_router_return_gap_seconds_count"] == 0.0
+        turn = dict(first)
+        turn["messages"] = [
+            *first["messages"],
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And the second?"},
+        ]
+        assert (await client.post("/v1/chat/completions", json=turn)).status_code == 200
+        samples = _return_gaps(metrics)
+        assert samples["kvrouter_router_return_gap_seconds_count"] == 1.0
+        assert 0.0 < samples["kvrouter_router_return_gap_seconds_sum"] < 20.0
+
+
+def _return_gaps(metrics: RouterMetrics) -> dict[str, float]:
+    return {s.name: s.value for m in metrics.return_gap.collect() for s in m.samples}
