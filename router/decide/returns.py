@@ -117,9 +117,7 @@ class ReturnBook:
             return []
         back: list[_Record] = []
         for key in keys[MARK_EVERY - 1 :: MARK_EVERY]:
-            waiting = self._by_mark.pop(key, None)
-            if waiting is not None:
-                back.extend(r for r in waiting if r.gap is None)
+            back.extend(self._by_mark.pop(key, ()))  # only records not back yet are listed
         now = self.clock()
         gaps = []
         for record in back:
