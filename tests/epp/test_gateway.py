@@ -186,11 +186,32 @@ def released(stack: LocalStack, within: float = 10.0) -> None:
     )
 
 
-def home_of(url: str, group: int, requests: int = 2) -> str:
-    """Send ``requests`` of a group (sequentially); the one engine they all ran on."""
-    engines = {send(url, chat(group, k)).engine for k in range(requests)}
+def indexed(stack: LocalStack, group: int, engine: str, within: float = 10.0) -> None:
+    """Every picker's index holds ``group``'s shared prefix on ``engine`` (events and routes
+    reach the pickers asynchronously: on a loaded host a request sent at once can beat them)."""
+
+    def matched(url: str) -> int:
+        found = httpx.post(f"{url}/index", json=chat(group, 0), timeout=5).json()
+        return int(found["replicas"].get(engine, {}).get("matched_blocks", 0))
+
+    urls = stack.layout.router_urls
+    wait_for(
+        lambda: all(matched(url) * BLOCK_SIZE >= CACHED for url in urls),
+        within,
+        lambda: {url: matched(url) for url in urls},
+    )
+
+
+def home_of(stack: LocalStack, group: int, requests: int = 2) -> str:
+    """Send ``requests`` of a group through the gateway (sequentially, each after every picker
+    knows where the first ran); the one engine they all ran on."""
+    url = stack.layout.entry_url
+    first = send(url, chat(group, 0)).engine
+    assert first is not None
+    indexed(stack, group, first)
+    engines = {first, *(send(url, chat(group, k)).engine for k in range(1, requests))}
     assert len(engines) == 1 and None not in engines, engines
-    return engines.pop()  # type: ignore[return-value]
+    return first
 
 
 def long_stream(group: int, max_tokens: int = 300) -> dict[str, Any]:
@@ -317,6 +338,7 @@ def test_each_group_of_shared_prefixes_lands_on_its_home_engine(stack: LocalStac
     for g, home in enumerate(ids):
         group = 10 + g
         first = send(entry, chat(group, 0), **{SELECTION_HEADER: address(stack, home)})
+        indexed(stack, group, home)
         served[home] = [first, *(send(entry, chat(group, k)) for k in range(1, 5))]
     for home, answers in served.items():
         assert all(a.status == 200 for a in answers), answers
@@ -366,7 +388,7 @@ def test_a_subset_hint_restricts_the_pick(
     stack: LocalStack, second_envoy: Callable[..., EnvoyProcess]
 ) -> None:
     entry, group = stack.layout.entry_url, 30
-    home = home_of(entry, group)
+    home = home_of(stack, group)
     other = next(e for e in stack.layout.replica_ids if e != home)
     # the conformance suite's header names the only endpoint allowed
     chosen = send(entry, chat(group, 5), **{SELECTION_HEADER: address(stack, other)})
@@ -467,7 +489,10 @@ def test_buffered_and_full_duplex_bodies_route_the_same_way(
     gateways = (stack.layout.entry_url, buffered.url)
     for group in range(50, 53):
         # a group's requests alternate between the two gateways: one home all the same
-        answers = [send(gateways[k % 2], chat(group, k)) for k in range(4)]
+        first = send(gateways[0], chat(group, 0))
+        assert first.engine is not None, first
+        indexed(stack, group, first.engine)
+        answers = [first, *(send(gateways[k % 2], chat(group, k)) for k in range(1, 4))]
         assert all(a.status == 200 for a in answers), answers
         assert {a.engine for a in answers} == {answers[0].engine}, answers
         assert all(a.replica == a.engine for a in answers), answers
@@ -480,7 +505,7 @@ def test_without_the_response_body_requests_still_route_and_stream(
 ) -> None:
     envoy = second_envoy(stack, Gateway(response_body=False))
     group = 60
-    home = home_of(stack.layout.entry_url, group)
+    home = home_of(stack, group)
     arrivals: list[float] = []
     body = {**chat(group, 1), "stream": True, "max_tokens": 20}
     with httpx.stream("POST", f"{envoy.url}/v1/chat/completions", json=body, timeout=20) as r:
@@ -574,7 +599,7 @@ def test_a_refused_first_choice_is_served_by_the_next_endpoint(
     )
     entry, ids, urls = stack.layout.entry_url, stack.layout.replica_ids, stack.layout.router_urls
     group = 80
-    home = home_of(entry, group)
+    home = home_of(stack, group)
     stack.processes.kill(f"replica-{ids.index(home)}", signal.SIGKILL)
     answer = send(entry, chat(group, 5))
     assert answer.status == 200, answer
