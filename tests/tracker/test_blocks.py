@@ -203,6 +203,35 @@ def test_chain_cache_reuses_a_repeated_prefix_and_stays_bounded() -> None:
         ChainCache(min_blocks=0)
 
 
+def test_chain_cache_keeps_interleaved_sessions_on_one_preamble_apart() -> None:
+    """Agent sessions share a preamble (their first blocks) and take turns: each turn reuses
+    its own session's history, not only the preamble the last prompt seen shares."""
+    cache = ChainCache(max_blocks=100_000, min_blocks=4, per_start=4)
+    ns16 = Namespace("llama", 16)
+    preamble = list(range(16 * 50))
+    histories = [[*preamble, *range(1_000 * (s + 1), 1_000 * (s + 1) + 16 * 100)] for s in range(3)]
+    for history in histories:
+        cache.keys(history, ns16)
+    assert cache.reused == 2 * 50  # the second and third found only the preamble
+    for turn in range(1, 3):
+        for s, history in enumerate(histories):
+            before = cache.reused
+            history.extend(range(50_000 + 100 * turn + s, 50_000 + 100 * turn + s + 16 * 10))
+            assert cache.keys(history, ns16) == block_keys(history, ns16)
+            # the whole previous turn came from the cache: 150 blocks, then 160
+            assert cache.reused - before == 150 + 10 * (turn - 1)
+    # each turn took its previous turn's place: one entry per session
+    assert cache.blocks == sum(len(h) // 16 for h in histories)
+    # a fifth prompt on the preamble pushes the least recent of that start out (per_start)
+    for extra in range(2):
+        cache.keys([*preamble, *range(90_000 + 1_000 * extra, 90_000 + 1_000 * extra + 160)], ns16)
+    before = cache.reused
+    assert cache.keys(histories[0], ns16) == block_keys(histories[0], ns16)
+    assert cache.reused - before == 50  # session 0's entry was the oldest: only the preamble
+    with pytest.raises(ValueError):
+        ChainCache(per_start=0)
+
+
 def test_lookahead_folds_the_next_tokens_into_each_block() -> None:
     """vLLM 0.33's lookahead hashing: block i hashes its tokens and the ``L`` after it."""
     ns = Namespace("m", 4)

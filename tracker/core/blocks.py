@@ -152,23 +152,35 @@ class ChainCache:
 
     A 100k-token prompt is ~6,400 blocks: hashing them is ~1.2 ms of every decision, though
     most requests repeat an earlier prompt's prefix (a system prompt, a conversation so far)
-    and add a little. The cache keeps recent prompts' token bytes and keys by (namespace,
-    first block's key) and, when a prompt starts like one of them, reuses the keys of the
-    blocks whose bytes are equal (compared, not assumed from a hash) and hashes the rest. The
-    keys are a pure function of the bytes, so they are the ones :func:`block_keys` gives.
-    Bounded by the blocks it holds (``max_blocks``, least recently used out first);
-    prompts shorter than ``min_blocks`` or with per-block extra keys are hashed in full.
+    and add a little. The cache keeps recent prompts' token bytes and keys, found by
+    (namespace, first block's key); when a prompt starts like one of them, it reuses the keys
+    of the blocks whose bytes are equal to the longest-matching one's (compared, not assumed
+    from a hash) and hashes the rest. The keys are a pure function of the bytes, so they are
+    the ones :func:`block_keys` gives.
+
+    Up to ``per_start`` prompts are kept per first block: conversations and agent sessions
+    interleave, and they share their first blocks (the chat template, a tool preamble), so
+    one entry per first block held only the last prompt seen and a session's next turn
+    matched another session's preamble. A prompt replaces the one it extends whole (a
+    conversation's next turn), and is kept beside the others. Bounded by the blocks it holds
+    (``max_blocks``, least recently used out first); prompts shorter than ``min_blocks`` or
+    with per-block extra keys are hashed in full.
     """
 
-    def __init__(self, max_blocks: int = 131_072, min_blocks: int = 64) -> None:
-        if max_blocks < 0 or min_blocks < 1:
-            raise ValueError("need max_blocks >= 0 and min_blocks >= 1")
+    def __init__(self, max_blocks: int = 131_072, min_blocks: int = 64, per_start: int = 16):
+        if max_blocks < 0 or min_blocks < 1 or per_start < 1:
+            raise ValueError("need max_blocks >= 0, min_blocks >= 1 and per_start >= 1")
         self.max_blocks = max_blocks
         self.min_blocks = min_blocks
+        self.per_start = per_start
         self.blocks = 0
         self.reused = 0
         """Blocks whose keys came from the cache (a counter, for tests and metrics)."""
-        self._entries: dict[tuple[Namespace, int], tuple[bytes, list[int]]] = {}
+        self._serial = 0
+        # serial -> (bytes, keys, start), least recently used first; a start is (namespace,
+        # first block's key), and its serials are kept oldest first
+        self._entries: dict[int, tuple[bytes, list[int], tuple[Namespace, int]]] = {}
+        self._starts: dict[tuple[Namespace, int], list[int]] = {}
 
     def keys(
         self,
@@ -188,34 +200,54 @@ class ChainCache:
             return block_keys(data, namespace, extra_keys=extra_keys, lookahead=lookahead)
         if len(data) != count * stride:
             data = data[: count * stride]
-        entry = (namespace, _xxh3(data[:stride], namespace.seed))
-        known = self._entries.pop(entry, None)
-        if known is None:
-            keys = block_keys(data, namespace)
-        else:
-            old, old_keys = known
-            self.blocks -= len(old_keys)
-            same = _same_blocks(old, data, stride)
-            self.reused += same
+        start = (namespace, _xxh3(data[:stride], namespace.seed))
+        # The candidate sharing the most whole windows (the most recent on a tie), then the
+        # exact count of blocks inside its first window that differs.
+        best, equal = -1, -1
+        entries = self._entries
+        for serial in reversed(self._starts.get(start, ())):
+            windows = _equal_windows(entries[serial][0], data, stride)
+            if windows > equal:
+                best, equal = serial, windows
+        keys: list[int] = []
+        same = 0
+        if best >= 0:
+            old, old_keys, _ = entries[best]
+            same = _same_blocks(old, data, stride, equal)
             keys = old_keys[:same]
-            rest = data[same * stride :]
-            keys += block_keys(rest, namespace, parent=keys[-1] if keys else None)
-        self._entries[entry] = (data, keys)
+            self.reused += same
+            if same == len(old_keys):  # the new prompt extends it whole: it takes its place
+                self._drop(best)
+            else:  # another prompt on a shared prefix: the older one is still used
+                entries[best] = entries.pop(best)
+        keys += block_keys(data[same * stride :], namespace, parent=keys[-1] if keys else None)
+        self._serial += 1
+        serials = self._starts.setdefault(start, [])
+        serials.append(self._serial)
+        entries[self._serial] = (data, keys, start)
         self.blocks += count
+        if len(serials) > self.per_start:
+            self._drop(serials[0])
         while self.blocks > self.max_blocks:
-            _, dropped = self._entries.pop(next(iter(self._entries)))
-            self.blocks -= len(dropped)
+            self._drop(next(iter(entries)))
         return keys.copy()  # the caller's to keep or change; the cache keeps its own
+
+    def _drop(self, serial: int) -> None:
+        _, dropped, start = self._entries.pop(serial)
+        self.blocks -= len(dropped)
+        serials = self._starts[start]
+        serials.remove(serial)
+        if not serials:
+            del self._starts[start]
 
 
 _COMPARE_BLOCKS: Final = 256
 """Blocks compared per slice in :func:`_same_blocks` (16 KB at 16 tokens per block)."""
 
 
-def _same_blocks(a: bytes, b: bytes, stride: int) -> int:
-    """How many leading blocks of ``stride`` bytes ``a`` and ``b`` have in common: equal
-    windows of :data:`_COMPARE_BLOCKS` blocks, then a binary search inside the first that
-    differs (slice comparisons are memcmp; the slices' copies stay small)."""
+def _equal_windows(a: bytes, b: bytes, stride: int) -> int:
+    """Bytes of the leading windows of :data:`_COMPARE_BLOCKS` blocks that ``a`` and ``b``
+    have equal (the last window may be short: both end there)."""
     end = min(len(a), len(b)) // stride * stride
     window = stride * _COMPARE_BLOCKS
     start = 0
@@ -224,8 +256,20 @@ def _same_blocks(a: bytes, b: bytes, stride: int) -> int:
         if a[start:stop] != b[start:stop]:
             break
         start = stop
-    else:
+    return start
+
+
+def _same_blocks(a: bytes, b: bytes, stride: int, start: int = -1) -> int:
+    """How many leading blocks of ``stride`` bytes ``a`` and ``b`` have in common: equal
+    windows of :data:`_COMPARE_BLOCKS` blocks (``start``, the bytes of them, when known),
+    then a binary search inside the first that differs (slice comparisons are memcmp; the
+    slices' copies stay small)."""
+    end = min(len(a), len(b)) // stride * stride
+    if start < 0:
+        start = _equal_windows(a, b, stride)
+    if start >= end:
         return end // stride
+    stop = min(start + stride * _COMPARE_BLOCKS, end)
     equal, differ = start // stride, stop // stride  # blocks: the first `equal` match
     while differ - equal > 1:
         mid = (equal + differ) // 2
