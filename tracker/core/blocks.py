@@ -178,7 +178,7 @@ class ChainCache:
         """Blocks whose keys came from the cache (a counter, for tests and metrics)."""
         self._serial = 0
         # serial -> (bytes, keys, start), least recently used first; a start is (namespace,
-        # first block's key), and its serials are kept oldest first
+        # first block's key), and its serials are kept least recently used first too
         self._entries: dict[int, tuple[bytes, list[int], tuple[Namespace, int]]] = {}
         self._starts: dict[tuple[Namespace, int], list[int]] = {}
 
@@ -220,6 +220,9 @@ class ChainCache:
                 self._drop(best)
             else:  # another prompt on a shared prefix: the older one is still used
                 entries[best] = entries.pop(best)
+                serials = self._starts[start]
+                serials.remove(best)
+                serials.append(best)
         keys += block_keys(data[same * stride :], namespace, parent=keys[-1] if keys else None)
         self._serial += 1
         serials = self._starts.setdefault(start, [])
