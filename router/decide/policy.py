@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from router.decide.policy_types import Decision, PolicyConfig, ReplicaState, Score
-from router.decide.scoring import Fleet, active_requests, fleet_of, score_replica
+from router.decide.scoring import Fleet, active_requests, fleet_of, score_replica, work_of
 
 _LINEAR_TIE: Final = 1e-9
 
@@ -69,9 +69,11 @@ def decide(
     """
     if not candidates:
         raise ValueError("no candidate replicas to choose from")
-    fleet = fleet_of(candidates, config, prompt_tokens)
+    works = [work_of(prompt_tokens, state, config) for state in candidates]
+    fleet = fleet_of(candidates, config, works)
     scores = tuple(
-        score_replica(prompt_tokens, state, config, output_tokens, fleet) for state in candidates
+        score_replica(prompt_tokens, state, config, output_tokens, fleet, work=work)
+        for state, work in zip(candidates, works, strict=True)
     )
     values = [s.score for s in scores]
     stay = _session_stay(scores, candidates, config)

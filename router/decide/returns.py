@@ -56,6 +56,10 @@ class _Record:
         self.marks = marks
 
 
+def _finish_time(record: _Record) -> float:
+    return record.finished
+
+
 def marks_of(keys: Sequence[int]) -> list[int]:
     """The keys a finished prompt is known by: every :data:`MARK_EVERY`-th block of its last
     quarter, from :data:`FIRST_MARK` on. Not its last blocks: they hold the chat template's
@@ -71,8 +75,7 @@ class ReturnBook:
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._records: deque[_Record] = deque()
-        self._finished: deque[float] = deque()  # the records' finish times, in order
+        self._records: deque[_Record] = deque()  # in the order they finished
         self._by_mark: dict[int, list[_Record]] = {}  # the records not back yet
         self._gaps: list[float] = []  # sorted: the kept records' that came back
 
@@ -86,7 +89,6 @@ class ReturnBook:
             return  # too short to tell its continuation from a prompt sharing its prefix
         record = _Record(self.clock(), marks)
         self._records.append(record)
-        self._finished.append(record.finished)
         for mark in marks:
             self._by_mark.setdefault(mark, []).append(record)
         while len(self._records) > MAX_RECORDS:
@@ -94,7 +96,6 @@ class ReturnBook:
 
     def _drop(self) -> None:
         old = self._records.popleft()
-        self._finished.popleft()
         if old.gap is not None:
             del self._gaps[bisect.bisect_left(self._gaps, old.gap)]
             return  # its marks went when it came back
@@ -134,7 +135,7 @@ class ReturnBook:
         ``window_ms`` (those finished since that came back already count too: the share errs
         towards counting a request); 1 while fewer than :data:`MIN_RESOLVED` had the chance."""
         window = max(0.0, window_ms) / 1000.0
-        older = bisect.bisect_right(self._finished, self.clock() - window)
+        older = bisect.bisect_right(self._records, self.clock() - window, key=_finish_time)
         if older < MIN_RESOLVED:
             return 1.0
         return min(1.0, bisect.bisect_right(self._gaps, window) / older)

@@ -37,18 +37,18 @@ class Fleet:
 
 
 def fleet_of(
-    candidates: Sequence[ReplicaState], config: PolicyConfig, prompt_tokens: int = 0
+    candidates: Sequence[ReplicaState], config: PolicyConfig, works: Sequence[Work] = ()
 ) -> Fleet:
-    """The :class:`Fleet` facts of one decision (``prompt_tokens``: the prompt's length, for
-    ``least_work``)."""
+    """The :class:`Fleet` facts of one decision (``works``: what the prompt needs on each
+    candidate, :func:`work_of`, for ``least_work``)."""
     home = max((s.home_blocks for s in candidates), default=0.0) * config.block_size
     active = [active_requests(s) for s in candidates]
     busy = sum(active) / len(active) if active else 0.0
-    least = min((_work(prompt_tokens, s, config).own for s in candidates), default=0.0)
+    least = min((w.own for w in works), default=0.0)
     return Fleet(home_tokens=home, busy=busy, least_work=least)
 
 
-class _Work(NamedTuple):
+class Work(NamedTuple):
     """What a prompt needs on one replica: the blocks it reuses and the work left."""
 
     usable: int  # blocks of the prompt cached there, and reusable
@@ -59,7 +59,8 @@ class _Work(NamedTuple):
     own: float  # prefill work (:func:`prefill_work` units), loading included
 
 
-def _work(prompt_tokens: int, state: ReplicaState, config: PolicyConfig) -> _Work:
+def work_of(prompt_tokens: int, state: ReplicaState, config: PolicyConfig) -> Work:
+    """What a ``prompt_tokens``-token prompt needs on ``state`` (:class:`Work`)."""
     size = config.block_size
     usable = max(0, min(state.matched_blocks, (prompt_tokens - 1) // size))
     gpu = max(0, min(state.matched_gpu_blocks, usable)) * size
@@ -67,7 +68,7 @@ def _work(prompt_tokens: int, state: ReplicaState, config: PolicyConfig) -> _Wor
     loading = _loading_tokens(state, offload // size, config) * size
     uncached = max(0, prompt_tokens - usable * size)
     own = prefill_work(uncached, usable * size, config.attention_tokens) + loading
-    return _Work(usable, gpu, offload, loading, uncached, own)
+    return Work(usable, gpu, offload, loading, uncached, own)
 
 
 def active_requests(state: ReplicaState) -> int:
@@ -114,15 +115,20 @@ def score_replica(
     config: PolicyConfig,
     output_tokens: int = 0,
     fleet: Fleet | None = None,
+    *,
+    work: Work | None = None,
 ) -> Score:
     """Expected TTFT and score of sending a ``prompt_tokens``-token prompt to ``state``.
 
     :param output_tokens: the most the request may generate (its KV memory grows to it).
     :param fleet: facts of the other candidates too (:func:`fleet_of`); default: none.
+    :param work: :func:`work_of` the prompt on ``state``, when the caller has it already.
     """
     fleet = fleet or Fleet()
     size = config.block_size
-    usable, gpu, offload, loading, uncached, own_work = _work(prompt_tokens, state, config)
+    if work is None:
+        work = work_of(prompt_tokens, state, config)
+    usable, gpu, offload, loading, uncached, own_work = work
     speed = state.speed
 
     queued = _queued_tokens(state, config)
