@@ -255,6 +255,7 @@ class Decider:
                 decision=placement.decision,
                 fallback=placement.fallback,
                 session=placement.request.session,
+                stages=placement.stages,
             )
 
     def _states(

@@ -40,6 +40,7 @@ class DecisionJournal:
         decision: Decision,
         fallback: str | None,
         session: str | None = None,
+        stages: dict[str, float] | None = None,
     ) -> None:
         if self._file is None:
             return
@@ -83,6 +84,8 @@ class DecisionJournal:
             "chosen": decision.replica,
             "fallback": fallback,
             "session": session,
+            # real milliseconds per stage of the decision (tokenize, hash, lookup, score, total)
+            "stages_ms": {k: round(v * 1000, 3) for k, v in (stages or {}).items()},
             "candidates": candidates,
         }
         self._file.write(_encode(line) + b"\n")

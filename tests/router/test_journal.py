@@ -32,6 +32,11 @@ async def test_every_decision_is_journaled_with_its_breakdown(tmp_path: Path) ->
     assert first["chosen"] in first["candidates"] and first["fallback"] is None
     assert first["prompt_tokens"] > 16 * first["blocks"] - 16 >= 0
     assert len({line["first_key"] for line in lines}) == 1  # one shared prefix
+    # the real time of each stage, which add up to the total
+    stages = first["stages_ms"]
+    assert set(stages) == {"tokenize", "hash", "lookup", "score", "total"}
+    parts_ms = sum(stages[s] for s in ("tokenize", "hash", "lookup", "score"))
+    assert 0 < stages["total"] == pytest.approx(parts_ms, abs=0.01)
     chosen = first["candidates"][first["chosen"]]
     for field in ("matched", "predicted", "queue_ms", "ttft_ms", "score", "regret", "home"):
         assert field in chosen
