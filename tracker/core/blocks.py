@@ -262,14 +262,12 @@ def _equal_windows(a: bytes, b: bytes, stride: int) -> int:
     return start
 
 
-def _same_blocks(a: bytes, b: bytes, stride: int, start: int = -1) -> int:
-    """How many leading blocks of ``stride`` bytes ``a`` and ``b`` have in common: equal
-    windows of :data:`_COMPARE_BLOCKS` blocks (``start``, the bytes of them, when known),
-    then a binary search inside the first that differs (slice comparisons are memcmp; the
-    slices' copies stay small)."""
+def _same_blocks(a: bytes, b: bytes, stride: int, start: int) -> int:
+    """How many leading blocks of ``stride`` bytes ``a`` and ``b`` have in common, given
+    ``start``, the bytes of their equal leading windows (:func:`_equal_windows`): a binary
+    search inside the first window that differs (slice comparisons are memcmp; the slices'
+    copies stay small)."""
     end = min(len(a), len(b)) // stride * stride
-    if start < 0:
-        start = _equal_windows(a, b, stride)
     if start >= end:
         return end // stride
     stop = min(start + stride * _COMPARE_BLOCKS, end)
